@@ -1,0 +1,194 @@
+"""Ray: start or join a cluster, place trainer and engine bundles, create the actor groups.
+
+Local by default (127.0.0.1, no dashboard, offline variables); `cluster.ray_address` or `RAY_ADDRESS` joins an
+existing cluster (e.g. the KubeRay one in infra/). One placement group holds a bundle per device:
+- colocated: bundle i is shared by trainer rank i and engine i (fractional GPUs), so they sit on the same device;
+- disaggregated: trainer bundles first, then engine bundles, packed.
+On CPU the "devices" are processes: one bundle of one logical CPU per trainer rank and per engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vime_core.config import RunConfig
+from vime_core.platform import apply_offline_env, raise_fd_limit, worker_env
+
+log = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 180
+
+
+class ClusterError(RuntimeError):
+    """Ray could not give us what the config asks for; the message says what was missing."""
+
+
+def init_ray(cfg: RunConfig, platform: str) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    apply_offline_env()
+    _write_ray_bootstrap_config()
+    raise_fd_limit(gpu=platform != "cpu")
+    address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    env = {"env_vars": {k: v for k, v in worker_env(platform, None).items() if k != "CUDA_VISIBLE_DEVICES"}}
+    if address:
+        log.info("joining Ray cluster at %s", address)
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        return
+    cpus = cfg.cluster.num_cpus or max(4, os.cpu_count() or 1)
+    ray.init(
+        num_cpus=cpus,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env=env,
+        log_to_driver=True,
+        configure_logging=False,
+    )
+
+
+def shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _write_ray_bootstrap_config() -> None:
+    """A local-provider bootstrap config stops Ray probing cloud metadata addresses at start (no network here)."""
+    path = Path.home() / "ray_bootstrap_config.yaml"
+    if not path.exists():
+        try:
+            path.write_text("provider:\n  type: local\n")
+        except OSError:
+            pass
+
+
+@dataclass
+class Placement:
+    pg: Any
+    trainer_bundles: list[int]
+    engine_bundles: list[int]
+    gpu: bool
+    colocate: bool
+
+
+def make_placement(cfg: RunConfig, platform: str) -> Placement:
+    import ray
+    from ray.util.placement_group import placement_group
+
+    gpu = platform != "cpu"
+    n_train, n_roll = cfg.train.num_devices, cfg.rollout_devices
+    if gpu:
+        unit = {"GPU": 1, "CPU": 1}
+    else:
+        unit = {"CPU": 1}
+    if cfg.cluster.colocate:
+        bundles = [dict(unit) for _ in range(n_train)]
+        trainer_b, engine_b = list(range(n_train)), list(range(0, n_roll, cfg.rollout.engine_tensor_parallel_size))
+    else:
+        bundles = [dict(unit) for _ in range(n_train + n_roll)]
+        trainer_b = list(range(n_train))
+        engine_b = list(range(n_train, n_train + n_roll, cfg.rollout.engine_tensor_parallel_size))
+    pg = placement_group(bundles, strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        raise ClusterError(
+            f"Ray could not place {len(bundles)} bundle(s) of {unit} within {PLACEMENT_TIMEOUT_S}s; "
+            f"cluster resources: {ray.cluster_resources()}. Lower train.num_devices / rollout.num_engines or add nodes."
+        )
+    return Placement(pg, trainer_b, engine_b, gpu, cfg.cluster.colocate)
+
+
+def _strategy(p: Placement, bundle: int):
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group=p.pg, placement_group_bundle_index=bundle)
+
+
+def _actor_env(platform: str) -> dict[str, str]:
+    env = worker_env(platform, None)
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # on GPU each actor picks its device from ray.get_gpu_ids()
+    if platform == "cpu":
+        # Ray sets OMP_NUM_THREADS=1 for 1-CPU actors; trainer and engines take turns, so each may use every core
+        env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def _share(p: Placement) -> float:
+    """GPU fraction per actor: whole devices when disaggregated, shared when colocated."""
+    return (0.45 if p.colocate else 1.0) if p.gpu else 0.0
+
+
+def create_engines(cfg: RunConfig, p: Placement, platform: str, model_path: str) -> list[Any]:
+    import ray
+
+    from vime_core.rollout import EngineOptions, VLLMEngine
+
+    max_len = cfg.data.max_prompt_len + max(cfg.rollout.max_response_len, cfg.eval.max_response_len or 0)
+    engines = []
+    for i, bundle in enumerate(p.engine_bundles):
+        opts = EngineOptions(
+            model_path=model_path,
+            dtype=cfg.model.engine_dtype,
+            max_model_len=max_len,
+            seed=cfg.seed + i,
+            platform=platform,
+            tensor_parallel_size=cfg.rollout.engine_tensor_parallel_size,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
+            enforce_eager=cfg.rollout.enforce_eager,
+            custom_generate=cfg.rollout.custom_generate,
+        )
+        actor = ray.remote(VLLMEngine).options(
+            num_cpus=0 if p.colocate else 1 if not p.gpu else 1,
+            num_gpus=_share(p),
+            scheduling_strategy=_strategy(p, bundle),
+            runtime_env={"env_vars": _actor_env(platform)},
+            name=None,
+        ).remote(opts)
+        engines.append(actor)
+    ray.get([e.ready.remote() for e in engines])
+    return engines
+
+
+def master_address(p: Placement, bundle: int) -> tuple[str, int]:
+    """IP and a free port on the node of `bundle` (where trainer rank 0 runs), found by a task placed there."""
+    import ray
+
+    @ray.remote(num_cpus=0, num_gpus=0)
+    def probe() -> tuple[str, int]:
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    return ray.get(probe.options(scheduling_strategy=_strategy(p, bundle)).remote())
+
+
+def create_trainers(cfg: RunConfig, p: Placement, platform: str, model_dir: str) -> list[Any]:
+    """All trainer ranks, constructed concurrently (each joins the process group in __init__)."""
+    import ray
+
+    from vime_core.train import Trainer
+
+    addr, port = master_address(p, p.trainer_bundles[0])
+    world = len(p.trainer_bundles)
+    actors = [
+        ray.remote(Trainer).options(
+            num_cpus=1,
+            num_gpus=_share(p),
+            scheduling_strategy=_strategy(p, bundle),
+            runtime_env={"env_vars": _actor_env(platform)},
+        ).remote(cfg, model_dir, rank, world, addr, port, platform)
+        for rank, bundle in enumerate(p.trainer_bundles)
+    ]
+    ray.get([a.info.remote() for a in actors])
+    return actors

@@ -1,0 +1,262 @@
+"""Prompt datasets and the data buffer.
+
+Reading: `.jsonl` / `.json` / `.parquet` files in the dapo-math-17k layout (`prompt` = chat messages or a string,
+`label`), and `builtin://arith`. Every problem with a row (missing key, bad JSON, non-UTF-8 bytes, a label that is
+not a scalar, a prompt that is too long) raises `DatasetError` naming the file, the row and the problem, or, with
+`data.bad_rows = skip`, is skipped and counted.
+
+The buffer serves prompt batches in a seeded order per epoch, takes injected prompts (served first), and keeps its
+position as a small state dict saved with checkpoints, so a resumed run continues with exactly the next batch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vime_core.sample import Sample
+
+log = logging.getLogger(__name__)
+
+
+class DatasetError(ValueError):
+    """A dataset cannot be read; the message names the source, the row (1-based) and the problem."""
+
+
+@dataclass
+class Prompt:
+    index: int  # row index in the source (stable across runs)
+    prompt_ids: list[int]
+    prompt: str
+    label: str | None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def template(self, group_id: int) -> Sample:
+        return Sample(group_id=group_id, prompt_ids=self.prompt_ids, label=self.label, prompt=self.prompt,
+                      metadata={**self.metadata, "index": self.index})
+
+
+@dataclass
+class PromptSet:
+    source: str
+    prompts: list[Prompt]
+    skipped: int = 0
+    skipped_reasons: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# reading rows
+# --------------------------------------------------------------------------------------------------------------------
+def read_rows(source: str) -> list[tuple[int, Any]]:
+    """(1-based row number, raw row) pairs; bad JSON and bad bytes come back as exceptions to report per row."""
+    if source.startswith("builtin://"):
+        from vime_core.builtin import parse_builtin_dataset
+
+        try:
+            return list(enumerate(parse_builtin_dataset(source), 1))
+        except ValueError as e:
+            raise DatasetError(str(e)) from None
+    path = Path(source)
+    if not path.exists():
+        raise DatasetError(f"dataset {source} does not exist")
+    if path.is_dir():
+        files = sorted([*path.glob("*.parquet"), *path.glob("*.jsonl")])
+        if not files:
+            raise DatasetError(f"dataset directory {source} holds no .parquet or .jsonl files")
+        rows: list[tuple[int, Any]] = []
+        for f in files:
+            rows += [(len(rows) + 1, r) for _, r in read_rows(str(f))]
+        return rows
+    if path.stat().st_size == 0:
+        raise DatasetError(f"dataset {source} is empty")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        return _read_parquet(path)
+    if suffix in (".jsonl", ".json"):
+        return _read_jsonl(path)
+    raise DatasetError(f"dataset {source}: unsupported file type {suffix!r} (use .jsonl, .json or .parquet)")
+
+
+def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
+    raw = path.read_bytes()
+    if path.suffix.lower() == ".json" and raw.lstrip()[:1] == b"[":
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DatasetError(f"dataset {path}: not valid UTF-8 JSON: {e}") from None
+        return list(enumerate(data, 1))
+    rows: list[tuple[int, Any]] = []
+    for n, line in enumerate(raw.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            rows.append((n, DatasetError(f"{path}:{n}: line is not valid UTF-8 (byte {e.start}: {line[e.start:e.start + 4]!r})")))
+            continue
+        try:
+            rows.append((n, json.loads(text)))
+        except json.JSONDecodeError as e:
+            rows.append((n, DatasetError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})")))
+    if not rows:
+        raise DatasetError(f"dataset {path} has no rows (only blank lines)")
+    return rows
+
+
+def _read_parquet(path: Path) -> list[tuple[int, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:
+        raise DatasetError(f"dataset {path}: cannot read parquet: {e}") from None
+    if table.num_rows == 0:
+        raise DatasetError(f"dataset {path} has no rows")
+    return list(enumerate(table.to_pylist(), 1))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# validating and tokenising
+# --------------------------------------------------------------------------------------------------------------------
+def _check_prompt(value: Any) -> list[dict[str, str]] | str:
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError("prompt is empty")
+        return value
+    if hasattr(value, "tolist"):  # numpy arrays from parquet
+        value = value.tolist()
+    if isinstance(value, list) and value:
+        for i, m in enumerate(value):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"prompt message {i} must be an object with 'role' and 'content', got {str(m)[:80]!r}")
+            if not isinstance(m["content"], str):
+                raise ValueError(f"prompt message {i} content must be text, got {type(m['content']).__name__}")
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise ValueError(f"prompt must be text or a non-empty list of chat messages, got {type(value).__name__}: {str(value)[:80]!r}")
+
+
+def _check_label(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"label {value!r} is not an answer (expected text or a number)")
+    if isinstance(value, (int, float)):
+        if value != value:  # NaN
+            raise ValueError("label is NaN")
+        return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError("label is empty")
+        return value.strip()
+    raise ValueError(f"label must be text or a number, got {type(value).__name__}: {str(value)[:80]!r}")
+
+
+def render_prompt(tokenizer, prompt: list[dict[str, str]] | str, apply_chat_template: bool) -> str:
+    if not apply_chat_template:
+        return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def load_prompts(source: str, tokenizer, data_cfg, max_prompts: int | None = None, require_label: bool = True) -> PromptSet:
+    """Read, validate and tokenise a prompt dataset (see module doc for the error rules)."""
+    rows = read_rows(source)
+    out = PromptSet(source, [])
+    for n, row in rows:
+        if max_prompts is not None and len(out.prompts) >= max_prompts:
+            break
+        try:
+            out.prompts.append(_make_prompt(n, row, tokenizer, data_cfg, require_label))
+        except (ValueError, DatasetError) as e:
+            msg = str(e) if isinstance(e, DatasetError) else f"{source}: row {n}: {e}"
+            if data_cfg.bad_rows == "error":
+                raise DatasetError(msg + " (set data.bad_rows=skip to skip such rows)") from None
+            out.skipped += 1
+            if len(out.skipped_reasons) < 20:
+                out.skipped_reasons.append(msg)
+    if out.skipped:
+        log.warning("%s: skipped %d bad row(s); first: %s", source, out.skipped, out.skipped_reasons[0])
+    if not out.prompts:
+        raise DatasetError(f"dataset {source} has no usable rows ({out.skipped} skipped: {out.skipped_reasons[:3]})")
+    return out
+
+
+def _make_prompt(n: int, row: Any, tokenizer, data_cfg, require_label: bool) -> Prompt:
+    if isinstance(row, DatasetError):
+        raise row
+    if not isinstance(row, dict):
+        raise ValueError(f"row must be an object, got {type(row).__name__}")
+    if data_cfg.prompt_key not in row:
+        raise ValueError(f"no {data_cfg.prompt_key!r} key (data.prompt_key); keys are {sorted(row)[:10]}")
+    prompt = _check_prompt(row[data_cfg.prompt_key])
+    label = None
+    if data_cfg.label_key in row:
+        label = _check_label(row[data_cfg.label_key])
+    elif require_label:
+        raise ValueError(f"no {data_cfg.label_key!r} key (data.label_key); keys are {sorted(row)[:10]}")
+    text = render_prompt(tokenizer, prompt, data_cfg.apply_chat_template)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) > data_cfg.max_prompt_len:
+        raise ValueError(f"prompt has {len(ids)} tokens, more than data.max_prompt_len = {data_cfg.max_prompt_len}")
+    meta = row.get("metadata") if isinstance(row.get("metadata"), dict) else {}
+    return Prompt(index=n - 1, prompt_ids=ids, prompt=text, label=label, metadata=dict(meta))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the buffer
+# --------------------------------------------------------------------------------------------------------------------
+class DataBuffer:
+    """Serves prompts epoch by epoch in a seeded order; injected prompts first. State: (epoch, offset, injected)."""
+
+    def __init__(self, prompts: PromptSet, seed: int, shuffle: bool = True):
+        self.prompts, self.seed, self.shuffle = prompts, seed, shuffle
+        self.epoch, self.offset = 0, 0
+        self.injected: list[Prompt] = []
+        self._order = self._order_for(0)
+
+    def _order_for(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.shuffle:
+            random.Random(f"{self.seed}-{epoch}").shuffle(order)
+        return order
+
+    def inject(self, prompts: list[Prompt]) -> None:
+        self.injected.extend(prompts)
+
+    def next_batch(self, n: int) -> list[Prompt]:
+        out: list[Prompt] = []
+        while self.injected and len(out) < n:
+            out.append(self.injected.pop(0))
+        while len(out) < n:
+            if self.offset >= len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._order_for(self.epoch)
+            take = min(n - len(out), len(self._order) - self.offset)
+            out += [self.prompts.prompts[i] for i in self._order[self.offset : self.offset + take]]
+            self.offset += take
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "seed": self.seed,
+            "num_prompts": len(self.prompts),
+            "injected": [p.__dict__ for p in self.injected],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_prompts"] != len(self.prompts):
+            raise DatasetError(
+                f"the data buffer state was saved for {state['num_prompts']} prompts but {self.prompts.source} has "
+                f"{len(self.prompts)}: the dataset changed since the checkpoint"
+            )
+        self.epoch, self.offset, self.seed = state["epoch"], state["offset"], state["seed"]
+        self._order = self._order_for(self.epoch)
+        self.injected = [Prompt(**p) for p in state.get("injected", [])]

@@ -1,0 +1,42 @@
+"""Held-out evaluation through the rollout engines: pass@1, pass@k (unbiased), response length, truncation.
+
+Each eval prompt's sampling seed depends only on the run seed, the dataset and the prompt, so evaluations before and
+after training draw the same random numbers: their difference measures the policy, not sampling noise.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from vime_core.algo import pass_at_k
+from vime_core.data import PromptSet
+from vime_core.rollout import GroupRequest, RolloutRouter, SamplingSpec, request_seed
+
+
+def eval_spec(cfg) -> SamplingSpec:
+    e = cfg.eval
+    return SamplingSpec(e.n_samples_per_eval_prompt, e.temperature, e.top_p, -1, e.max_response_len or cfg.rollout.max_response_len,
+                        tuple(cfg.rollout.stop))
+
+
+def evaluate(router: RolloutRouter, eval_sets: dict[str, PromptSet], cfg, reward_model) -> dict[str, float]:
+    spec = eval_spec(cfg)
+    k = cfg.eval.pass_k
+    metrics: dict[str, float] = {}
+    for name, prompts in eval_sets.items():
+        t0 = time.perf_counter()
+        requests = [GroupRequest(p.template(group_id=i), request_seed(cfg.seed, "eval", name, p.index))
+                    for i, p in enumerate(prompts.prompts)]
+        groups = router.generate(requests, spec)
+        reward_model.score(groups)
+        correct = [sum(1 for s in g if s.reward and s.reward > 0.5) for g in groups]
+        samples = [s for g in groups for s in g]
+        metrics[f"eval/{name}/pass@1"] = statistics.fmean(pass_at_k(spec.n, c, 1) for c in correct)
+        if k > 1:
+            metrics[f"eval/{name}/pass@{k}"] = statistics.fmean(pass_at_k(spec.n, c, k) for c in correct)
+        metrics[f"eval/{name}/response_len/mean"] = statistics.fmean(s.response_len for s in samples)
+        metrics[f"eval/{name}/truncated_ratio"] = statistics.fmean(1.0 if s.truncated else 0.0 for s in samples)
+        metrics[f"eval/{name}/num_prompts"] = float(len(groups))
+        metrics[f"perf/eval_time/{name}"] = time.perf_counter() - t0
+    return metrics

@@ -1,0 +1,353 @@
+"""Rollout: vLLM engines (one Ray actor each), the router that spreads prompt groups over them, and the custom
+generate hook.
+
+An engine returns, per sample: response token ids, the log-probs of the sampled tokens *after* temperature
+(`logprobs_mode="processed_logprobs"`; vLLM's default raw log-probs are taken before temperature, which inflated the
+train/rollout mismatch in vime), the finish reason, and the decoded text. All samples of a group go to one engine.
+
+Sampling is seeded per request (`seed` of the group) so that a rollout step is reproducible after a resume.
+
+Custom generate (`rollout.custom_generate = "pkg.mod:fn"`): `async def fn(ctx, sample, sampling) -> Sample` replaces
+the default generation of one sample; `await ctx.generate(prompt_ids, **overrides)` samples from the engine and
+returns a `Generation`. Concurrent calls of all samples are batched into one vLLM call per turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from vime_core.sample import Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+
+    def vllm_params(self, seed: int, n: int | None = None, **overrides: Any):
+        from vllm import SamplingParams
+
+        kw = dict(
+            n=self.n if n is None else n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k if self.top_k > 0 else -1,
+            max_tokens=self.max_tokens,
+            stop=list(self.stop) or None,
+            logprobs=0,  # the sampled token's log-prob only
+            seed=seed,
+            skip_special_tokens=True,
+        )
+        kw.update(overrides)
+        return SamplingParams(**kw)
+
+
+@dataclass
+class GroupRequest:
+    """One prompt to sample `spec.n` times; `template` carries prompt ids, label and metadata into the samples."""
+
+    template: Sample
+    seed: int
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str
+
+
+@dataclass
+class EngineOptions:
+    model_path: str
+    dtype: str
+    max_model_len: int
+    seed: int
+    platform: str = "cpu"
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    cpu_kv_cache_gib: float = 1.0
+    enforce_eager: bool = False
+    custom_generate: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class VLLMEngine:
+    """A vLLM `LLM` in this process. Run it as a Ray actor (see cluster.py); usable directly in tests."""
+
+    def __init__(self, opts: EngineOptions):
+        from vime_core.platform import apply_offline_env
+
+        apply_offline_env()
+        if opts.platform == "cpu":
+            # in-process engine core: starts in seconds instead of ~30 s and needs no extra process
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        self.opts = opts
+        kwargs: dict[str, Any] = dict(
+            model=opts.model_path,
+            dtype=opts.dtype,
+            seed=opts.seed,
+            max_model_len=opts.max_model_len,
+            enforce_eager=opts.enforce_eager or opts.platform == "cpu",
+            tensor_parallel_size=opts.tensor_parallel_size,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls="vime_core.sync.VLLMWorkerExtension",
+            enable_prefix_caching=True,
+        )
+        if opts.platform == "cpu":
+            kwargs["kv_cache_memory_bytes"] = int(opts.cpu_kv_cache_gib * 2**30)
+            # A chunked prefill discards the token sampled for the partial prompt and rewinds that request's seeded
+            # generator, which CPU generators cannot do ("CPU Generator does not use offset"): prefill whole prompts.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(8192, opts.max_model_len)
+        else:
+            kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
+        kwargs.update(opts.extra)
+        t0 = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.start_seconds = time.perf_counter() - t0
+        self.custom_generate = None
+        if opts.custom_generate:
+            from vime_core.rewards import load_callable
+
+            self.custom_generate = load_callable(opts.custom_generate)
+        log.info("vLLM engine up in %.1fs (%s, %s)", self.start_seconds, opts.model_path, opts.dtype)
+
+    def ready(self) -> float:
+        return self.start_seconds
+
+    # -- generation ---------------------------------------------------------------------------------------------------
+    def generate(self, requests: list[GroupRequest], spec: SamplingSpec) -> list[list[Sample]]:
+        """Sample every request's group; returns one list of `spec.n` samples per request, in order."""
+        if self.custom_generate is not None:
+            return asyncio.run(self._generate_custom(requests, spec))
+        prompts = [{"prompt_token_ids": r.template.prompt_ids} for r in requests]
+        params = [spec.vllm_params(seed=r.seed) for r in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        groups = []
+        for req, out in zip(requests, outputs):
+            groups.append([_fill(req.template, _generation(c)) for c in out.outputs])
+        return groups
+
+    def _generate_batch(self, items: list[tuple[list[int], Any]]) -> list[Generation]:
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in items], [p for _, p in items], use_tqdm=False)
+        return [_generation(o.outputs[0]) for o in outs]
+
+    async def _generate_custom(self, requests: list[GroupRequest], spec: SamplingSpec) -> list[list[Sample]]:
+        ctx = GenerateContext(self, spec)
+        jobs = []
+        for r in requests:
+            for i in range(spec.n):
+                s = replace(r.template, metadata=dict(r.template.metadata))
+                jobs.append(self.custom_generate(ctx.for_sample(seed=r.seed * 1_000 + i), s, spec))
+        done = await asyncio.gather(*jobs)
+        return [list(done[i * spec.n : (i + 1) * spec.n]) for i in range(len(requests))]
+
+    # -- weights --------------------------------------------------------------------------------------------------------
+    def load_weights(self, named_tensors: list[tuple[str, Any]]) -> int:
+        """Load full HF-named tensors in place, then drop the prefix cache (its KV came from the old weights)."""
+        n = self.llm.collective_rpc("vime_load_weights", args=(named_tensors,))[0]
+        self.reset_prefix_cache()
+        return n
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return self.llm.collective_rpc(method, args=args)
+
+    def reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache: requests are still running")
+
+    def sleep(self, level: int = 1) -> None:
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.llm.wake_up(tags=tags)
+
+    def shutdown(self) -> None:
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:  # best effort: the process is about to go
+            pass
+
+
+def _generation(c) -> Generation:
+    ids = list(c.token_ids)
+    lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if c.logprobs else []
+    return Generation(ids, lps, c.finish_reason or "", c.text)
+
+
+def _fill(template: Sample, g: Generation) -> Sample:
+    return replace(
+        template,
+        metadata=dict(template.metadata),
+        response_ids=g.token_ids,
+        rollout_logprobs=g.logprobs,
+        finish_reason=g.finish_reason,
+        response=g.text,
+    )
+
+
+class GenerateContext:
+    """What a custom generate function gets: `await ctx.generate(prompt_ids, **sampling_overrides)`.
+
+    Calls made concurrently by many samples are collected and sent to vLLM as one batch once every sample's
+    coroutine is waiting (one `loop.call_soon` after the first call of a round)."""
+
+    def __init__(self, engine: VLLMEngine, spec: SamplingSpec, seed: int = 0, _shared: dict | None = None):
+        self.engine, self.spec, self.seed = engine, spec, seed
+        self._shared = _shared if _shared is not None else {"pending": [], "scheduled": False, "calls": 0}
+
+    def for_sample(self, seed: int) -> "GenerateContext":
+        return GenerateContext(self.engine, self.spec, seed, self._shared)
+
+    @property
+    def tokenizer(self):
+        return self.engine.llm.get_tokenizer()
+
+    async def generate(self, prompt_ids: list[int], **overrides: Any) -> Generation:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        turn = self._shared["calls"]
+        self._shared["calls"] += 1
+        params = self.spec.vllm_params(seed=self.seed + 7919 * turn, n=1, **overrides)
+        self._shared["pending"].append((list(prompt_ids), params, fut))
+        if not self._shared["scheduled"]:
+            self._shared["scheduled"] = True
+            loop.call_soon(self._flush)
+        return await fut
+
+    def _flush(self) -> None:
+        batch, self._shared["pending"], self._shared["scheduled"] = self._shared["pending"], [], False
+        try:
+            results = self.engine._generate_batch([(ids, p) for ids, p, _ in batch])
+        except Exception as e:  # hand the failure to every waiting sample
+            for _, _, fut in batch:
+                fut.set_exception(e)
+            return
+        for (_, _, fut), r in zip(batch, results):
+            fut.set_result(r)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# router
+# --------------------------------------------------------------------------------------------------------------------
+def assign_groups(costs: list[int], num_engines: int) -> list[list[int]]:
+    """Indices of groups per engine, balancing the summed cost (prompt tokens x samples); longest first, so that
+    the assignment is deterministic for a given batch."""
+    loads = [0] * num_engines
+    out: list[list[int]] = [[] for _ in range(num_engines)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        e = min(range(num_engines), key=lambda k: (loads[k], k))
+        out[e].append(i)
+        loads[e] += costs[i]
+    return [sorted(ix) for ix in out]
+
+
+class RolloutRouter:
+    """Spreads groups over engine actors and gathers the samples back in request order."""
+
+    def __init__(self, engines: list[Any]):
+        if not engines:
+            raise ValueError("the router needs at least one engine")
+        self.engines = engines
+
+    def generate(self, requests: list[GroupRequest], spec: SamplingSpec) -> list[list[Sample]]:
+        import ray
+
+        parts = assign_groups([len(r.template.prompt_ids) * spec.n for r in requests], len(self.engines))
+        futures = [
+            (ix, eng.generate.remote([requests[i] for i in ix], spec)) for eng, ix in zip(self.engines, parts) if ix
+        ]
+        out: list[list[Sample] | None] = [None] * len(requests)
+        for ix, fut in futures:
+            for i, group in zip(ix, ray.get(fut)):
+                out[i] = group
+        return out  # type: ignore[return-value]
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(e, method).remote(*args) for e in self.engines])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# one rollout step: buffer -> engines -> rewards (-> dynamic sampling)
+# --------------------------------------------------------------------------------------------------------------------
+def request_seed(*parts: Any) -> int:
+    """A stable 31-bit seed from any parts (run seed, rollout id, attempt, position): resumes sample identically."""
+    import hashlib
+
+    return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
+
+
+def sampling_spec(cfg) -> SamplingSpec:
+    r = cfg.rollout
+    return SamplingSpec(r.n_samples_per_prompt, r.temperature, r.top_p, r.top_k, r.max_response_len, tuple(r.stop))
+
+
+def collect_rollout(rollout_id: int, cfg, buffer, router: RolloutRouter, reward_model) -> tuple[list[list[Sample]], dict[str, float]]:
+    """Generate and score `rollout_batch_size` groups. With dynamic sampling, groups whose rewards are all equal
+    (no learning signal) are dropped and more prompts are generated, up to `max_sampling_attempts`; if still short,
+    dropped groups fill the batch (they carry zero advantage) so that the batch arithmetic holds."""
+    import statistics
+
+    r = cfg.rollout
+    spec = sampling_spec(cfg)
+    want = r.rollout_batch_size
+    per_attempt = r.over_sampling_batch_size if r.dynamic_sampling else want
+    kept: list[list[Sample]] = []
+    dropped: list[list[Sample]] = []
+    generated: list[list[Sample]] = []
+    attempts = 0
+    t0 = time.perf_counter()
+    while len(kept) < want and attempts < (r.max_sampling_attempts if r.dynamic_sampling else 1):
+        prompts = buffer.next_batch(per_attempt)
+        base = len(generated)
+        requests = [GroupRequest(p.template(group_id=base + i), request_seed(cfg.seed, rollout_id, attempts, i))
+                    for i, p in enumerate(prompts)]
+        groups = router.generate(requests, spec)
+        reward_model.score(groups)
+        generated += groups
+        for g in groups:
+            informative = len({s.reward for s in g}) > 1
+            (kept if informative or not r.dynamic_sampling else dropped).append(g)
+        attempts += 1
+    rollout_time = time.perf_counter() - t0
+    shortfall = max(0, want - len(kept))
+    batch = (kept + dropped[:shortfall])[:want]
+    for gid, g in enumerate(batch):
+        for s in g:
+            s.group_id = gid
+    everything = [s for g in generated for s in g]
+    resp_lens = [s.response_len for s in everything]
+    metrics = {
+        "rollout/raw_reward": statistics.fmean(s.reward for s in everything),
+        "rollout/response_len/mean": statistics.fmean(resp_lens),
+        "rollout/response_len/max": float(max(resp_lens)),
+        "rollout/truncated_ratio": statistics.fmean(1.0 if s.truncated else 0.0 for s in everything),
+        "rollout/zero_std_ratio": statistics.fmean(0.0 if len({s.reward for s in g}) > 1 else 1.0 for g in generated),
+        "perf/rollout_time": rollout_time,
+        "perf/tokens_per_gpu_per_sec": sum(resp_lens) / rollout_time / max(1, cfg.rollout_devices),
+    }
+    if r.dynamic_sampling:
+        metrics.update({
+            "rollout/dynamic_sampling/attempts": float(attempts),
+            "rollout/dynamic_sampling/kept_groups": float(len(kept)),
+            "rollout/dynamic_sampling/dropped_groups": float(len(dropped)),
+            "rollout/dynamic_sampling/shortfall": float(shortfall),
+        })
+    return batch, metrics

@@ -1,0 +1,37 @@
+"""The unit that flows from the data buffer through rollout and rewards into the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Sample:
+    """One prompt's one response. Samples of the same prompt share `group_id` (a GRPO group)."""
+
+    group_id: int
+    prompt_ids: list[int]
+    label: str | None = None
+    prompt: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    response_ids: list[int] = field(default_factory=list)
+    response: str = ""
+    # log-probs of the sampled tokens as vLLM computed them *after* temperature (processed_logprobs)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    # mask of response tokens that are trained on (a custom generate may mark tool output with 0)
+    loss_mask: list[int] | None = None
+    finish_reason: str = ""
+    reward: float | None = None
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+    @property
+    def response_len(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def mask(self) -> list[int]:
+        return self.loss_mask if self.loss_mask is not None else [1] * len(self.response_ids)

@@ -1,0 +1,125 @@
+"""Resolve model and dataset sources to local paths, with a content hash.
+
+Sources:
+- `builtin://<name>`: built locally on first use (see builtin.py);
+- a local path;
+- `hf://org/name[@revision]` (models) and `hf://datasets/org/name[@revision]` (datasets), through huggingface_hub's
+  `snapshot_download` (honours HF_ENDPOINT, HF_HUB_OFFLINE, HF_TOKEN and reuses the hub cache); models fetch only
+  weights, config and tokenizer files;
+- `mlflow://models:/<name>@<alias>` or `mlflow://models:/<name>/<version>`: a model registered by an earlier run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+MODEL_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json", "tokenizer*",
+                  "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "*.model"]
+
+
+class SourceError(ValueError):
+    """A source cannot be resolved; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class Resolved:
+    source: str
+    path: Path
+    content_hash: str
+
+
+def content_hash(path: Path) -> str:
+    """sha256 over (relative name, size, first and last MiB) of every file: cheap for multi-GB checkpoints, and
+    changes whenever a file is replaced."""
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.relative_to(path) if path.is_dir() else f.name}:{st.st_size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(2**20))
+            if st.st_size > 2**20:
+                fh.seek(max(2**20, st.st_size - 2**20))
+                h.update(fh.read(2**20))
+    return h.hexdigest()[:16]
+
+
+def _split_revision(spec: str) -> tuple[str, str | None]:
+    if "@" in spec:
+        repo, rev = spec.rsplit("@", 1)
+        return repo, rev or None
+    return spec, None
+
+
+def resolve_model(source: str) -> Resolved:
+    if source.startswith("builtin://"):
+        from vime_core.builtin import builtin_model_path
+
+        try:
+            path = builtin_model_path(source.removeprefix("builtin://"))
+        except ValueError as e:
+            raise SourceError(str(e)) from None
+    elif source.startswith("hf://"):
+        repo, rev = _split_revision(source.removeprefix("hf://"))
+        path = _hf_snapshot(repo, rev, "model", MODEL_PATTERNS)
+    elif source.startswith("mlflow://"):
+        path = _mlflow_model(source.removeprefix("mlflow://"))
+    elif "://" in source:
+        raise SourceError(f"unknown model source scheme in {source!r}; use builtin://, hf://, mlflow:// or a local path")
+    else:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise SourceError(f"model path {path} does not exist; give an HF checkpoint directory (config.json + *.safetensors)")
+    if not (path / "config.json").is_file():
+        raise SourceError(f"model source {source} resolved to {path}, which has no config.json (not an HF checkpoint)")
+    return Resolved(source, path, content_hash(path))
+
+
+def resolve_dataset(source: str) -> Resolved:
+    """Datasets: builtin ones stay as they are (read by data.py); hf:// ones are downloaded; paths are checked."""
+    if source.startswith("builtin://"):
+        return Resolved(source, Path(source), hashlib.sha256(source.encode()).hexdigest()[:16])
+    if source.startswith("hf://"):
+        spec = source.removeprefix("hf://")
+        if not spec.startswith("datasets/"):
+            raise SourceError(f"dataset source {source!r}: use hf://datasets/<org>/<name>[@revision]")
+        repo, rev = _split_revision(spec.removeprefix("datasets/"))
+        path = _hf_snapshot(repo, rev, "dataset", ["*.jsonl", "*.parquet", "*.json"])
+        return Resolved(source, path, content_hash(path))
+    if "://" in source:
+        raise SourceError(f"unknown dataset source scheme in {source!r}; use builtin://, hf://datasets/... or a local path")
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise SourceError(f"dataset path {path} does not exist")
+    return Resolved(source, path, content_hash(path))
+
+
+def _hf_snapshot(repo: str, revision: str | None, repo_type: str, patterns: list[str]) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    if repo.count("/") != 1:
+        raise SourceError(f"hf://{repo}: expected <org>/<name>")
+    try:
+        return Path(snapshot_download(repo_id=repo, revision=revision, repo_type=repo_type, allow_patterns=patterns,
+                                      token=os.environ.get("HF_TOKEN")))
+    except LocalEntryNotFoundError as e:
+        raise SourceError(
+            f"hf://{repo}{'@' + revision if revision else ''} is not in the local hub cache and the hub cannot be reached "
+            f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}, HF_ENDPOINT={os.environ.get('HF_ENDPOINT', 'default')}); "
+            "download it on a connected machine or point HF_HOME at a cache that has it"
+        ) from e
+    except HfHubHTTPError as e:
+        raise SourceError(f"hf://{repo}: the hub refused the download ({e}); check the name, revision and HF_TOKEN") from e
+
+
+def _mlflow_model(uri: str) -> Path:
+    """`models:/<name>@<alias>` or `models:/<name>/<version>` -> local copy of the registered HF checkpoint."""
+    if not uri.startswith("models:/"):
+        raise SourceError(f"mlflow://{uri}: expected mlflow://models:/<name>@<alias> or mlflow://models:/<name>/<version>")
+    from vime_core.tracking import download_registered_model
+
+    return download_registered_model(uri)

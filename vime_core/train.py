@@ -1,0 +1,485 @@
+"""The megatron-core trainer: one `Trainer` per rank (a Ray actor, see cluster.py), driven by `TrainerGroup`.
+
+Per rollout step (`train`): recompute the log-probs of the rollout tokens with the current policy (the "old"
+log-probs of PPO; their distance to vLLM's is `train/train_rollout_logprob_abs_diff`), then `num_steps_per_rollout`
+optimizer steps, each over micro-batches packed by a token budget, gradients summed over data-parallel ranks and
+clipped by the global norm computed across tensor- and expert-parallel ranks.
+
+Optimizers: torch AdamW (every platform; the only one on CPU, where megatron's optimizer is CUDA-only) or
+megatron-core's DistributedOptimizer (GPU). The LR is a pure function of the optimizer's step count, which is
+saved with the optimizer, so a resume can never advance the schedule twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vime_core import algo
+from vime_core.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainSample:
+    """What the trainer needs of a rollout sample."""
+
+    tokens: list[int]  # prompt + response
+    prompt_len: int
+    loss_mask: list[int]  # per response token
+    rollout_logprobs: list[float]  # per response token
+    advantage: float
+
+    @property
+    def response_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# batch arithmetic (driver side, pure)
+# --------------------------------------------------------------------------------------------------------------------
+def split_steps_and_ranks(samples: list[TrainSample], num_steps: int, dp: int) -> list[list[list[TrainSample]]]:
+    """[dp_rank][optimizer_step] -> samples. Each step takes a contiguous slice of the rollout (whole groups when the
+    global batch is a multiple of the group size); within a step, samples go to DP ranks balancing their tokens."""
+    if len(samples) % num_steps:
+        raise ValueError(f"{len(samples)} samples do not split into {num_steps} optimizer steps")
+    per_step = len(samples) // num_steps
+    out: list[list[list[TrainSample]]] = [[[] for _ in range(num_steps)] for _ in range(dp)]
+    for step in range(num_steps):
+        chunk = samples[step * per_step : (step + 1) * per_step]
+        loads = [0] * dp
+        counts = [0] * dp
+        cap = per_step // dp  # every rank gets the same number of samples (sample_mean normalises by it)
+        for s in sorted(chunk, key=lambda s: -len(s.tokens)):
+            r = min((k for k in range(dp) if counts[k] < cap), key=lambda k: (loads[k], k))
+            out[r][step].append(s)
+            loads[r] += len(s.tokens)
+            counts[r] += 1
+    return out
+
+
+def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Greedy packing by padded cost (rows x longest row) <= max_tokens; a row longer than the budget gets its own
+    micro-batch. Longest first, so rows of similar length share a batch and padding stays small."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
+    for i in order:
+        if cur and (len(cur) + 1) * max(longest, lengths[i]) > max_tokens:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, lengths[i])
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def lr_at(step: int, cfg: RunConfig) -> float:
+    """LR for optimizer step `step` (0-based), by absolute step: extending a run continues the same curve."""
+    t = cfg.train
+    if t.lr_warmup_steps and step < t.lr_warmup_steps:
+        return t.lr * (step + 1) / t.lr_warmup_steps
+    if t.lr_schedule == "constant":
+        return t.lr
+    progress = min(1.0, (step - t.lr_warmup_steps) / max(1, t.lr_decay_steps or 1))
+    if t.lr_schedule == "linear":
+        return t.lr + (t.min_lr - t.lr) * progress
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# one rank
+# --------------------------------------------------------------------------------------------------------------------
+class Trainer:
+    """One trainer rank. Construct all ranks of a group concurrently: __init__ joins the process group."""
+
+    def __init__(self, cfg: RunConfig, model_dir: str, rank: int, world_size: int, master_addr: str, master_port: int, platform: str):
+        from vime_core.platform import apply_megatron_cpu_shims, apply_offline_env
+
+        apply_offline_env()
+        self.cfg, self.rank, self.world_size, self.platform = cfg, rank, world_size, platform
+        if platform == "cpu":
+            apply_megatron_cpu_shims()
+            torch.set_num_threads(cfg.train.cpu_threads or os.cpu_count() or 1)
+            self.device = torch.device("cpu")
+        else:
+            self.device = torch.device("cuda", _pick_local_gpu())
+            torch.cuda.set_device(self.device)
+        self._init_parallel(master_addr, master_port)
+        self._build(model_dir)
+
+    # -- setup --------------------------------------------------------------------------------------------------------
+    def _init_parallel(self, master_addr: str, master_port: int) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        from vime_core.platform import dist_backend
+
+        t = self.cfg.train
+        if not dist.is_initialized():
+            dist.init_process_group(
+                dist_backend(self.platform),
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=__import__("datetime").timedelta(minutes=30),
+            )
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=t.tensor_parallel_size,
+            pipeline_model_parallel_size=t.pipeline_parallel_size,
+            expert_model_parallel_size=t.expert_parallel_size,
+        )
+        seed = self.cfg.seed + 100 * ps.get_pipeline_model_parallel_rank()
+        torch.manual_seed(seed)
+        if self.platform == "cpu":
+            model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)  # dropout is 0: no RNG tracker needed
+        else:
+            model_parallel_cuda_manual_seed(seed)
+        self.ps = ps
+
+    def _build(self, model_dir: str) -> None:
+        import json
+        from pathlib import Path
+
+        from vime_core import megatron_model as mm
+        from vime_core.checkpoint import load_hf_state_dict
+        from vime_core.qwen3_mapping import arch_from_hf_config, hf_to_mcore
+
+        t = self.cfg.train
+        self.arch = arch_from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+        self.tf_config = mm.transformer_config(
+            self.arch, self.cfg.model.dtype, t.tensor_parallel_size, t.expert_parallel_size, t.sequence_parallel,
+            on_cpu=self.platform == "cpu",
+        )
+        full = hf_to_mcore(load_hf_state_dict(model_dir), self.arch)
+        self.model = mm.build_gpt(self.arch, self.tf_config).to(self.device)
+        mm.load_full_weights(self.model, full, self.arch)
+        self.ref_model = None
+        if self.cfg.grpo.kl_loss_coef > 0:
+            self.ref_model = mm.build_gpt(self.arch, self.tf_config).to(self.device).eval()
+            mm.load_full_weights(self.ref_model, full, self.arch)
+            self.ref_model.requires_grad_(False)
+        del full
+        self.optimizer = self._make_optimizer()
+        self.step = 0  # optimizer steps taken; the LR schedule is a function of it
+
+    def _make_optimizer(self):
+        t = self.cfg.train
+        kind = t.optimizer
+        if kind == "auto":
+            kind = "adamw" if self.platform == "cpu" else "adamw"
+        if kind == "megatron":
+            raise NotImplementedError("train.optimizer = megatron is not wired yet; use adamw")
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            (no_decay if p.ndim < 2 else decay).append(p)
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+        )
+
+    # -- forward ------------------------------------------------------------------------------------------------------
+    def _forward(self, model, batch: list[TrainSample], with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Log-probs (and entropy) of every response token of `batch`, concatenated; and each token's sample index."""
+        from vime_core import megatron_model as mm
+
+        width = max(len(s.tokens) for s in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, s in enumerate(batch):
+            ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
+        ids = ids.to(self.device)
+        pos = torch.arange(width, device=self.device).unsqueeze(0).expand(len(batch), width)
+        mask = torch.triu(torch.ones(width, width, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
+        logits = model(input_ids=ids, position_ids=pos, attention_mask=mask)  # [b, s, V/tp]
+        # position t predicts token t+1: gather the positions that predict response tokens
+        rows, cols, sample_ids = [], [], []
+        for i, s in enumerate(batch):
+            r = s.response_len
+            rows += [i] * r
+            cols += range(s.prompt_len - 1, s.prompt_len - 1 + r)
+            sample_ids += [i] * r
+        rows_t = torch.tensor(rows, device=self.device)
+        cols_t = torch.tensor(cols, device=self.device)
+        picked = logits[rows_t, cols_t].float() / self.cfg.rollout.temperature  # vLLM's processed log-probs
+        targets = ids[rows_t, cols_t + 1]
+        logp = mm.token_logprobs(picked, targets)
+        ent = mm.entropy(picked) if with_entropy else None
+        return logp, ent, torch.tensor(sample_ids, device=self.device)
+
+    @torch.no_grad()
+    def _logprobs(self, model, samples: list[TrainSample]) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        for mb in pack_micro_batches([len(s.tokens) for s in samples], self.cfg.train.max_tokens_per_device):
+            logp, _, sid = self._forward(model, [samples[i] for i in mb], with_entropy=False)
+            for j, i in enumerate(mb):
+                out[i] = logp[sid == j].cpu()
+        return out  # type: ignore[return-value]
+
+    # -- one rollout step ---------------------------------------------------------------------------------------------
+    def train(self, rollout_id: int, steps: list[list[TrainSample]]) -> dict[str, float]:
+        """`steps[k]` are this rank's samples of optimizer step k. Returns metrics reduced over data-parallel ranks."""
+        t0 = time.perf_counter()
+        self.model.eval()
+        flat = [s for step in steps for s in step]
+        old = self._logprobs(self.model, flat)
+        ref = self._logprobs(self.ref_model, flat) if self.ref_model is not None else None
+        diffs = [
+            (o - torch.tensor(s.rollout_logprobs)).abs().mean().item() for s, o in zip(flat, old) if s.response_len and s.rollout_logprobs
+        ]
+        metrics: dict[str, float] = {"train/train_rollout_logprob_abs_diff": _mean(diffs)}
+        self.model.train()
+        offset = 0
+        step_metrics = []
+        for step_samples in steps:
+            n = len(step_samples)
+            step_metrics.append(self._optimizer_step(step_samples, old[offset : offset + n], ref[offset : offset + n] if ref else None))
+            offset += n
+        for k in step_metrics[0]:
+            metrics[k] = _mean([m[k] for m in step_metrics])
+        tokens = sum(len(s.tokens) for s in flat)
+        metrics = self._reduce_over_dp(metrics)
+        elapsed = time.perf_counter() - t0
+        metrics["perf/actor_train_tok_per_s"] = self._sum_over_dp(tokens) / elapsed / max(1, self.world_size // self.cfg.train.data_parallel_size)
+        return metrics
+
+    def _optimizer_step(self, samples: list[TrainSample], old: list[torch.Tensor], ref: list[torch.Tensor] | None) -> dict[str, float]:
+        g = self.cfg.grpo
+        dp_group = self.ps.get_data_parallel_group()
+        # the denominator of the loss is global over data-parallel ranks: samples, or unmasked tokens
+        if g.loss_aggregation == "sample_mean":
+            denom = float(len(samples) * self.cfg.train.data_parallel_size)
+        else:
+            denom = float(self._sum_over_dp(sum(sum(s.loss_mask) for s in samples)))
+        sums = {k: 0.0 for k in ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss", "kl_loss", "tis", "tis_clipfrac")}
+        token_count = 0
+        self.optimizer.zero_grad(set_to_none=True)
+        for mb in pack_micro_batches([len(s.tokens) for s in samples], self.cfg.train.max_tokens_per_device):
+            batch = [samples[i] for i in mb]
+            logp, ent, sid = self._forward(self.model, batch, with_entropy=True)
+            old_lp = torch.cat([old[i] for i in mb]).to(self.device)
+            mask = torch.tensor([m for s in batch for m in s.loss_mask], dtype=torch.float32, device=self.device)
+            adv = torch.tensor([s.advantage for s in batch for _ in range(s.response_len)], dtype=torch.float32, device=self.device)
+            if g.policy_loss == "gspo":
+                pg, clipped, ratio = algo.gspo_policy_loss(logp, old_lp, adv, sid, len(batch), g.eps_clip, g.eps_clip_high)
+            else:
+                pg, clipped, ratio = algo.ppo_policy_loss(logp, old_lp, adv, g.eps_clip, g.eps_clip_high, g.dual_clip_c)
+            if g.use_tis:
+                roll = torch.tensor([x for s in batch for x in s.rollout_logprobs], dtype=torch.float32, device=self.device)
+                w, tis_clip = algo.tis_weights(old_lp, roll, g.tis_cap)
+                pg = pg * w
+                sums["tis"] += float((w * mask).sum())
+                sums["tis_clipfrac"] += float((tis_clip * mask).sum())
+            total = pg - g.entropy_coef * ent
+            kl = None
+            if ref is not None:
+                kl = algo.kl_penalty(logp, torch.cat([ref[i] for i in mb]).to(self.device), g.kl_loss_type)
+                total = total + g.kl_loss_coef * kl
+            loss = algo.aggregate(total * mask, sid, len(batch), g.loss_aggregation, denom)
+            loss.backward()
+            # metrics: token means over unmasked tokens of the step
+            with torch.no_grad():
+                token_count += int(mask.sum())
+                sums["pg_loss"] += float((pg * mask).sum())
+                sums["pg_clipfrac"] += float((clipped * mask).sum())
+                sums["ppo_kl"] += float(((old_lp - logp) * mask).sum())
+                sums["entropy_loss"] += float((ent * mask).sum())
+                if kl is not None:
+                    sums["kl_loss"] += float((kl * mask).sum())
+                sums["loss"] += float(loss) * denom
+        grad_norm = self._sync_and_clip_grads()
+        lr = lr_at(self.step, self.cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.step += 1
+        out = {f"train/{k}": v / max(1, token_count) for k, v in sums.items() if k != "loss"}
+        out["train/loss"] = sums["loss"] / denom
+        if not g.use_tis:
+            out.pop("train/tis"), out.pop("train/tis_clipfrac")
+        if ref is None:
+            out.pop("train/kl_loss")
+        out["train/grad_norm"] = grad_norm
+        out["train/lr"] = lr
+        return out
+
+    def _sync_and_clip_grads(self) -> float:
+        """Sum gradients over data-parallel ranks, compute the global norm (TP/EP-aware), clip. Returns the norm."""
+        ps = self.ps
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        dense = [p for p in params if getattr(p, "allreduce", True)]
+        expert = [p for p in params if not getattr(p, "allreduce", True)]
+        if ps.get_data_parallel_world_size() > 1:
+            for p in dense:
+                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+        if expert and ps.get_expert_data_parallel_world_size() > 1:
+            for p in expert:
+                dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group())
+        tp_rank = ps.get_tensor_model_parallel_rank()
+
+        def sq(ps_: list[torch.Tensor]) -> torch.Tensor:
+            # a TP-replicated parameter counts once (on TP rank 0); a split one on every rank
+            vals = [p.grad.float().square().sum() for p in ps_ if getattr(p, "tensor_model_parallel", False) or tp_rank == 0]
+            return torch.stack(vals).sum() if vals else torch.zeros((), device=self.device)
+
+        total = sq(dense) + 0.0
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(total, group=ps.get_tensor_model_parallel_group())
+        if expert:
+            e = sq(expert)
+            if ps.get_tensor_model_parallel_world_size() > 1:
+                dist.all_reduce(e, group=ps.get_tensor_model_parallel_group())
+            if ps.get_expert_model_parallel_world_size() > 1:
+                dist.all_reduce(e, group=ps.get_expert_model_parallel_group())
+            total = total + e
+        norm = float(total.sqrt())
+        clip = self.cfg.train.clip_grad
+        if clip > 0 and norm > clip:
+            coef = clip / (norm + 1e-6)
+            for p in params:
+                p.grad.mul_(coef)
+        return norm
+
+    def _reduce_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
+        if self.ps.get_data_parallel_world_size() == 1:
+            return metrics
+        keys = sorted(metrics)
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+        t /= self.ps.get_data_parallel_world_size()
+        return dict(zip(keys, t.tolist()))
+
+    def _sum_over_dp(self, value: float) -> float:
+        if self.ps.get_data_parallel_world_size() == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+        return float(t.item())
+
+    # -- weights out --------------------------------------------------------------------------------------------------
+    def export_hf_weights(self) -> list[tuple[str, torch.Tensor]] | None:
+        """Full HF-named weights (CPU tensors) on global rank 0, None elsewhere. Collective over all ranks."""
+        from vime_core.megatron_model import iter_full_weights
+        from vime_core.qwen3_mapping import mcore_param_to_hf
+
+        out = []
+        for name, full in iter_full_weights(self.model, self.arch):
+            if self.rank == 0:
+                out += [(k, v.detach().to("cpu", copy=True).contiguous()) for k, v in mcore_param_to_hf(name, full, self.arch)]
+        return out if self.rank == 0 else None
+
+    def weights_checksum(self) -> float:
+        """Sum of |w| over this rank's parameters (tests use it to see that weights changed)."""
+        return float(sum(p.detach().float().abs().sum() for p in self.model.parameters()))
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "params": sum(p.numel() for p in self.model.parameters()),
+            "step": self.step,
+            "device": str(self.device),
+            "max_rss_gib": _max_rss_gib(),
+        }
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            self.ps.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def _pick_local_gpu() -> int:
+    """The local index of the GPU Ray gave this actor (visibility is not rewritten: NOSET variables are set)."""
+    import ray
+
+    ids = [str(i) for i in ray.get_gpu_ids()]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("HIP_VISIBLE_DEVICES")
+    if not ids:
+        return 0
+    if visible:
+        order = visible.split(",")
+        return order.index(ids[0]) if ids[0] in order else 0
+    return int(ids[0])
+
+
+def _mean(xs: list[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def _max_rss_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# driver side
+# --------------------------------------------------------------------------------------------------------------------
+def make_train_batch(groups: list, cfg: RunConfig) -> tuple[list[TrainSample], dict[str, float]]:
+    """Scored groups -> trainer samples with GRPO advantages (group-normalised rewards broadcast to every token)."""
+    n = cfg.rollout.n_samples_per_prompt
+    samples = [s for g in groups for s in g]
+    if any(len(g) != n for g in groups):
+        raise ValueError(f"every group must hold rollout.n_samples_per_prompt = {n} samples")
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    adv = algo.group_advantages(rewards, n, cfg.grpo.normalize_std)
+    batch = [
+        TrainSample(
+            tokens=list(s.prompt_ids) + list(s.response_ids),
+            prompt_len=len(s.prompt_ids),
+            loss_mask=list(s.mask),
+            rollout_logprobs=list(s.rollout_logprobs),
+            advantage=float(a),
+        )
+        for s, a in zip(samples, adv.tolist())
+    ]
+    return batch, {"rollout/rewards": float(adv.mean()), "rollout/advantage_abs_mean": float(adv.abs().mean())}
+
+
+class TrainerGroup:
+    """The trainer ranks (Ray actors) seen as one trainer by the loop."""
+
+    def __init__(self, actors: list, cfg: RunConfig):
+        self.actors, self.cfg = actors, cfg
+
+    def _all(self, method: str, *args) -> list:
+        import ray
+
+        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+
+    def train(self, rollout_id: int, groups: list) -> dict[str, float]:
+        import ray
+
+        t = self.cfg.train
+        samples, metrics = make_train_batch(groups, self.cfg)
+        per_dp = split_steps_and_ranks(samples, self.cfg.num_steps_per_rollout, t.data_parallel_size)
+        # megatron's rank order is tp-cp-ep-dp-pp: ranks of one TP group are consecutive
+        futures = [a.train.remote(rollout_id, per_dp[rank // t.tensor_parallel_size % t.data_parallel_size])
+                   for rank, a in enumerate(self.actors)]
+        return {**metrics, **ray.get(futures)[0]}
+
+    def export_hf_weights(self) -> list:
+        return self._all("export_hf_weights")[0]
+
+    def weights_checksum(self) -> float:
+        return sum(self._all("weights_checksum"))
+
+    def info(self) -> list[dict]:
+        return self._all("info")
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.get(a.shutdown.remote(), timeout=30)
+            except Exception:  # the actor may already be gone; ray.shutdown cleans up
+                pass
