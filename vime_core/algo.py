@@ -15,6 +15,8 @@ Tensor = torch.Tensor
 def group_advantages(rewards: Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
     """GRPO advantages: reward minus its group's mean, divided by (group std + eps) unless `normalize_std` is False
     (Dr.GRPO). `rewards` is flat, groups are consecutive runs of `group_size`. Std is the unbiased one, as in vime."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.float().reshape(-1, group_size)
@@ -122,8 +124,10 @@ def aggregate(x: Tensor, sample_ids: Tensor, num_samples: int, mode: str, denomi
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples with c correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
-    if k > n:
-        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if k < 1 or k > n:
+        raise ValueError(f"pass@{k} needs 1 <= k <= n samples, got n = {n}")
+    if not 0 <= c <= n:
+        raise ValueError(f"pass@k: correct count {c} is outside 0..{n}")
     if n - c < k:
         return 1.0
     prod = 1.0

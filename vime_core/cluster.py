@@ -128,6 +128,7 @@ def _share(p: Placement) -> float:
 
 
 def create_engines(cfg: RunConfig, p: Placement, platform: str, model_path: str) -> list[Any]:
+    """Engine actors; they start in the background (see `wait_ready`)."""
     import ray
 
     from vime_core.rollout import EngineOptions, VLLMEngine
@@ -155,7 +156,6 @@ def create_engines(cfg: RunConfig, p: Placement, platform: str, model_path: str)
             name=None,
         ).remote(opts)
         engines.append(actor)
-    ray.get([e.ready.remote() for e in engines])
     return engines
 
 
@@ -174,7 +174,8 @@ def master_address(p: Placement, bundle: int) -> tuple[str, int]:
 
 
 def create_trainers(cfg: RunConfig, p: Placement, platform: str, model_dir: str) -> list[Any]:
-    """All trainer ranks, constructed concurrently (each joins the process group in __init__)."""
+    """All trainer ranks, constructed concurrently (each joins the process group in __init__); they start in the
+    background (see `wait_ready`)."""
     import ray
 
     from vime_core.train import Trainer
@@ -190,5 +191,17 @@ def create_trainers(cfg: RunConfig, p: Placement, platform: str, model_dir: str)
         ).remote(cfg, model_dir, rank, world, addr, port, platform)
         for rank, bundle in enumerate(p.trainer_bundles)
     ]
-    ray.get([a.info.remote() for a in actors])
     return actors
+
+
+def wait_ready(trainers: list[Any], engines: list[Any]) -> None:
+    """Wait for trainers and engines together (they start concurrently); a failure names the actor that failed."""
+    import ray
+
+    pending = {a.info.remote(): f"trainer rank {i}" for i, a in enumerate(trainers)}
+    pending |= {e.ready.remote(): f"vLLM engine {i}" for i, e in enumerate(engines)}
+    for ref, who in pending.items():
+        try:
+            ray.get(ref)
+        except Exception as e:
+            raise ClusterError(f"{who} failed to start: {e}") from e

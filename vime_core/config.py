@@ -154,9 +154,9 @@ class TrainConfig(_Section):
         int | None, Field(ge=1, description="Optimizer steps of decay (cosine/linear); after them the LR stays at min_lr.")
     ] = None
     weight_decay: Annotated[float, Field(ge=0.0, le=1.0, description="AdamW weight decay.")] = 0.1
-    adam_beta1: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.9
-    adam_beta2: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.98
-    adam_eps: Annotated[float, Field(gt=0.0, le=1e-3)] = 1e-8
+    adam_beta1: Annotated[float, Field(ge=0.0, lt=1.0, description="Adam first-moment decay (beta1).")] = 0.9
+    adam_beta2: Annotated[float, Field(ge=0.0, lt=1.0, description="Adam second-moment decay (beta2).")] = 0.98
+    adam_eps: Annotated[float, Field(gt=0.0, le=1e-3, description="Adam epsilon added to the denominator.")] = 1e-8
     clip_grad: Annotated[float, Field(ge=0.0, description="Clip gradients to this global norm; 0 disables clipping.")] = 1.0
     cpu_threads: Annotated[
         int | None, Field(ge=1, description="torch threads of the trainer on CPU; None uses every core.")
@@ -215,8 +215,8 @@ class EvalConfig(_Section):
     before_train: Annotated[bool, Field(description="Evaluate once before the first step (the baseline).")] = True
     n_samples_per_eval_prompt: Annotated[int, Field(ge=1, description="Samples per eval prompt (pass@k uses them).")] = 4
     pass_k: Annotated[int, Field(ge=1, description="k of pass@k (unbiased estimator); <= n_samples_per_eval_prompt.")] = 4
-    temperature: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    temperature: Annotated[float, Field(gt=0.0, le=10.0, description="Sampling temperature of eval generations.")] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, description="Nucleus sampling threshold of eval generations.")] = 1.0
     max_response_len: Annotated[int | None, Field(ge=1, description="None: rollout.max_response_len.")] = None
 
 
@@ -349,12 +349,14 @@ def _cross_field_problems(c: RunConfig):
     if t.num_devices % t.model_parallel_size:
         yield (
             f"train.num_devices = {t.num_devices} is not divisible by train.tensor_parallel_size * "
-            f"train.pipeline_parallel_size = {t.model_parallel_size}"
+            f"train.pipeline_parallel_size = {t.model_parallel_size}; use a num_devices that is a multiple of "
+            f"{t.model_parallel_size} or smaller parallel sizes"
         )
     elif t.global_batch_size % t.data_parallel_size:
         yield (
             f"train.global_batch_size = {t.global_batch_size} is not divisible by the data parallel size "
-            f"{t.data_parallel_size} (train.num_devices / (TP*PP))"
+            f"{t.data_parallel_size} (train.num_devices / (TP*PP)); pick a global_batch_size that is a multiple of "
+            f"{t.data_parallel_size}"
         )
     if t.expert_parallel_size > 1 and t.num_devices % t.expert_parallel_size:
         yield f"train.expert_parallel_size = {t.expert_parallel_size} does not divide train.num_devices = {t.num_devices}"
@@ -363,7 +365,8 @@ def _cross_field_problems(c: RunConfig):
     if c.cluster.colocate and t.num_devices != c.rollout_devices:
         yield (
             f"cluster.colocate needs as many trainer devices as rollout devices: train.num_devices = {t.num_devices} but "
-            f"rollout.num_engines * rollout.engine_tensor_parallel_size = {c.rollout_devices}"
+            f"rollout.num_engines * rollout.engine_tensor_parallel_size = {c.rollout_devices}; make them equal or "
+            f"set cluster.colocate = false"
         )
     if c.cluster.platform == "cpu":
         if c.sync.strategy in ("cuda_ipc", "nccl"):
@@ -379,7 +382,7 @@ def _cross_field_problems(c: RunConfig):
     if c.eval.pass_k > c.eval.n_samples_per_eval_prompt:
         yield (
             f"eval.pass_k = {c.eval.pass_k} is larger than eval.n_samples_per_eval_prompt = "
-            f"{c.eval.n_samples_per_eval_prompt}"
+            f"{c.eval.n_samples_per_eval_prompt}; lower eval.pass_k or raise eval.n_samples_per_eval_prompt"
         )
     names = [d.name for d in c.eval.datasets]
     if len(set(names)) != len(names):
@@ -479,13 +482,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 def _format_validation_error(e: ValidationError) -> str:
     lines = []
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"]) or "<root>"
+        loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key (not a field of this section; check the spelling)"
         got = err.get("input")
         tail = f" (got {got!r})" if err["type"] not in ("extra_forbidden", "value_error", "missing") and not isinstance(got, dict) else ""
-        lines.append(f"{loc}: {msg}{tail}")
+        lines.append(f"{loc}: {msg}{tail}" if loc else msg)
     return "invalid config:\n  " + "\n  ".join(lines)
 
 

@@ -82,7 +82,7 @@ def prepare(cfg: RunConfig, model_dir: Path | None = None) -> Prepared:
 def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, model_dir: Path | None = None,
         prepared: Prepared | None = None) -> RunResult:
     """Train `cfg` end to end. Metrics go to `sink` (step = rollout_id; eval rows at the number of steps done)."""
-    from vime_core.cluster import create_engines, create_trainers, init_ray, make_placement, shutdown_ray
+    from vime_core.cluster import create_engines, create_trainers, init_ray, make_placement, shutdown_ray, wait_ready
     from vime_core.evaluation import evaluate
     from vime_core.rollout import RolloutRouter, collect_rollout
     from vime_core.sync import WeightSync, resolve_strategy
@@ -95,6 +95,7 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
         placement = make_placement(cfg, p.platform)
         trainer = TrainerGroup(create_trainers(cfg, placement, p.platform, str(p.model_dir)), cfg)
         router = RolloutRouter(create_engines(cfg, placement, p.platform, str(p.model_dir)))
+        wait_ready(trainer.actors, router.engines)
         sync = WeightSync(trainer, router, resolve_strategy(cfg.sync.strategy, p.platform, cfg.cluster.colocate))
         buffer = DataBuffer(p.prompts, cfg.seed, cfg.data.shuffle)
         start = 0

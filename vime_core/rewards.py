@@ -30,6 +30,12 @@ _BOX_COMMANDS = ("\\boxed", "\\fbox")
 def last_boxed(text: str) -> str | None:
     """Content of the last `\\boxed{...}` (or `\\fbox{...}`, or `\\boxed 5`) in `text`; None if there is none or it is
     unbalanced."""
+    box = _last_box(text)
+    return box[0] if box else None
+
+
+def _last_box(text: str) -> tuple[str, int] | None:
+    """(content, end index just past the box) of the last box in `text`; None if there is none or it is unbalanced."""
     if not text:
         return None
     start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
@@ -39,7 +45,7 @@ def last_boxed(text: str) -> str | None:
     i = start + len(cmd)
     if i < len(text) and text[i] == " ":  # `\boxed 5` form: up to the next space or `$`
         m = re.match(r" +([^\s$]+)", text[i:])
-        return m.group(1) if m else None
+        return (m.group(1), i + m.end()) if m else None
     if i >= len(text) or text[i] != "{":
         return None
     depth = 0
@@ -49,7 +55,7 @@ def last_boxed(text: str) -> str | None:
         elif text[j] == "}":
             depth -= 1
             if depth == 0:
-                return text[i + 1 : j]
+                return text[i + 1 : j], j + 1
     return None  # unbalanced: the answer was cut off
 
 
@@ -124,8 +130,10 @@ def math_reward(response: str, label: str, strict: bool = False, finish_reason: 
         if finish_reason == "length":
             return 0.0
         tail = response.rstrip().rstrip(".$").rstrip()
-        if not tail.endswith("}") or last_boxed(tail) != ans or not tail.endswith(ans + "}"):
+        box = _last_box(tail)
+        if box is None or box[1] != len(tail):  # the last box must be the last thing in the response
             return 0.0
+        ans = box[0]
     return 1.0 if answers_equal(ans, str(label)) else 0.0
 
 
@@ -175,6 +183,8 @@ class RewardModel:
         if self.reward_type == "group":
             results = _run_all([self.fn(list(g)) for g in groups])
             for g, r in zip(groups, results):
+                if isinstance(r, (str, bytes)) or not hasattr(r, "__iter__"):
+                    raise ValueError(f"group reward {self.spec} returned {r!r}, not a list of rewards")
                 r = list(r)
                 if len(r) != len(g):
                     raise ValueError(f"group reward {self.spec} returned {len(r)} rewards for a group of {len(g)}")

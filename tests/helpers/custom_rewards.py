@@ -1,0 +1,59 @@
+"""Custom reward functions for tests/test_rewards.py, referred to by dotted path `tests.helpers.custom_rewards:...`."""
+
+from __future__ import annotations
+
+import asyncio
+
+from vime_core.sample import Sample
+
+NOT_A_FUNCTION = 42
+
+
+def length_reward(sample: Sample) -> float:
+    """Sync per-sample: the response length in characters."""
+    return float(len(sample.response))
+
+
+async def async_length_reward(sample: Sample) -> float:
+    """Async per-sample: twice the response length (so it differs from length_reward)."""
+    await asyncio.sleep(0)
+    return 2.0 * len(sample.response)
+
+
+def rank_in_group(samples: list[Sample]) -> list[float]:
+    """Sync per-group: 1 for the longest response of the group, 0 for the others (first one on ties)."""
+    lengths = [len(s.response) for s in samples]
+    best = lengths.index(max(lengths))
+    return [1.0 if i == best else 0.0 for i in range(len(samples))]
+
+
+async def async_group_position(samples: list[Sample]) -> list[int]:
+    """Async per-group: the position of each sample in its group (ints, to check conversion to float)."""
+    await asyncio.sleep(0)
+    return list(range(len(samples)))
+
+
+def short_group(samples: list[Sample]) -> list[float]:
+    """Per-group with the wrong count: one reward fewer than samples."""
+    return [0.0] * (len(samples) - 1)
+
+
+def scalar_group(samples: list[Sample]) -> float:
+    """Per-group returning a single number instead of a list."""
+    return 1.0
+
+
+def not_a_number(sample: Sample):
+    return "high"
+
+
+def returns_none(sample: Sample):
+    return None
+
+
+class Namespace:
+    """For `module:Namespace.method` paths."""
+
+    @staticmethod
+    def constant(sample: Sample) -> float:
+        return 0.5
