@@ -125,7 +125,7 @@ def aggregate(x: Tensor, sample_ids: Tensor, num_samples: int, mode: str, denomi
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples with c correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
     if k < 1 or k > n:
-        raise ValueError(f"pass@{k} needs 1 <= k <= n samples, got n = {n}")
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}" if k > n else f"pass@k needs k >= 1, got {k}")
     if not 0 <= c <= n:
         raise ValueError(f"pass@k: correct count {c} is outside 0..{n}")
     if n - c < k:
