@@ -105,3 +105,387 @@ def save_hf_checkpoint(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str,
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+# ====================================================================================================================
+# HF <-> Megatron torch_dist
+# ====================================================================================================================
+META_FILE = "vime_meta.json"
+HF_CONFIG_DIR = "hf_config"  # config + tokenizer kept next to torch_dist weights, for export without the source
+
+
+class ConversionError(RuntimeError):
+    """A conversion failed; the message names the tensor, field or rank that failed."""
+
+
+def _layout_problems(arch, tp: int, pp: int, ep: int) -> list[str]:
+    problems = []
+    if arch.num_heads % tp or arch.num_kv_heads % tp:
+        problems.append(f"tp = {tp} must divide the {arch.num_heads} attention heads and {arch.num_kv_heads} KV groups")
+    if arch.vocab_size % tp:
+        problems.append(f"tp = {tp} must divide the vocabulary size {arch.vocab_size}")
+    if arch.num_layers % pp:
+        problems.append(f"pp = {pp} must divide the {arch.num_layers} layers")
+    if ep > 1 and (not arch.is_moe or arch.num_experts % ep):
+        problems.append(f"ep = {ep} needs an MoE model whose expert count it divides (model has {arch.num_experts})")
+    return problems
+
+
+def _spawn(fn_name: str, world: int, args: tuple, progress_total: int | None = None, label: str = "") -> None:
+    """Run `checkpoint.<fn_name>(rank, world, port, queue, *args)` in `world` fresh processes (gloo on CPU).
+
+    Fresh processes keep megatron's global state and the CPU shims out of the caller (a Prefect flow, a CLI)."""
+    import socket
+
+    import torch.multiprocessing as mp
+    from rich.progress import Progress
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_entry, args=(fn_name, r, world, port, queue, args), daemon=False) for r in range(world)]
+    for p in procs:
+        p.start()
+    errors: list[str] = []
+    with Progress(transient=True, disable=progress_total is None) as bar:
+        task = bar.add_task(label, total=progress_total or 1)
+        finished = 0
+        while finished < world:
+            try:
+                kind, payload = queue.get(timeout=5)
+            except Exception:
+                if any(p.exitcode not in (None, 0) for p in procs) and not errors:
+                    dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    errors.append(f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
+                    break
+                continue
+            if kind == "progress":
+                bar.update(task, completed=payload)
+            elif kind == "done":
+                finished += 1
+            elif kind == "error":
+                errors.append(payload)
+                break
+    for p in procs:
+        p.join(timeout=60 if not errors else 5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise ConversionError(errors[0])
+
+
+def _rank_entry(fn_name: str, rank: int, world: int, port: int, queue, args: tuple) -> None:
+    import traceback
+
+    try:
+        globals()[fn_name](rank, world, port, queue, *args)
+        queue.put(("done", rank))
+    except Exception as e:  # reported to the parent with the rank and the reason
+        queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
+
+
+def _init_rank(rank: int, world: int, port: int, tp: int, pp: int, ep: int) -> None:
+    import torch.distributed as dist
+
+    from vime_core.platform import apply_megatron_cpu_shims, apply_offline_env
+
+    apply_offline_env()
+    apply_megatron_cpu_shims()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
+
+
+def _finish_rank() -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _hf_to_dist_rank(rank, world, port, queue, hf_dir: str, out_tmp: str, tp: int, pp: int, ep: int, dtype: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    from vime_core import megatron_model as mm
+    from vime_core.qwen3_mapping import arch_from_hf_config, hf_to_mcore
+
+    _init_rank(rank, world, port, tp, pp, ep)
+    arch = arch_from_hf_config(read_hf_config(hf_dir))
+    hf = load_hf_state_dict(hf_dir)
+    if rank == 0:
+        queue.put(("progress", 1))
+    full = hf_to_mcore(hf, arch)  # validates names and shapes: raises naming the tensor
+    del hf
+    if rank == 0:
+        queue.put(("progress", 2))
+    model = mm.build_gpt(arch, mm.transformer_config(arch, dtype, tp=tp, ep=ep, pp=pp))
+    mm.load_full_weights(model, full, arch)
+    del full
+    if rank == 0:
+        queue.put(("progress", 3))
+    dist_checkpointing.save(model.sharded_state_dict(), out_tmp)
+    if rank == 0:
+        queue.put(("progress", 4))
+    _finish_rank()
+
+
+def convert_hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, tp: int = 1, pp: int = 1, ep: int = 1,
+                             dtype: str = "float32", source_hash: str | None = None, show_progress: bool = True) -> Path:
+    """HF checkpoint -> Megatron torch_dist at layout (tp, pp, ep) (any layout loads it later: torch_dist reshards).
+
+    Skipped when `out_dir` already holds a conversion of the same source hash and dtype. Written to a temporary
+    sibling and renamed."""
+    from vime_core.qwen3_mapping import arch_from_hf_config, check_hf_names
+    from vime_core.sources import content_hash
+
+    hf_dir, out = Path(hf_dir), Path(out_dir)
+    arch = arch_from_hf_config(read_hf_config(hf_dir))
+    problems = _layout_problems(arch, tp, pp, ep)
+    if problems:
+        raise ConversionError(f"layout tp={tp} pp={pp} ep={ep} does not fit {hf_dir}: " + "; ".join(problems))
+    source_hash = source_hash or content_hash(hf_dir)
+    meta = converted_meta(out)
+    if meta and meta.get("source_hash") == source_hash and meta.get("dtype") == dtype:
+        return out
+    from safetensors import safe_open
+
+    names = set()
+    for f in weight_files(hf_dir):
+        with safe_open(str(f), "pt") as fh:
+            names |= set(fh.keys())
+    check_hf_names(names, arch, where=str(hf_dir))  # fail fast, before spawning ranks
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _spawn("_hf_to_dist_rank", tp * pp * ep, (str(hf_dir), str(tmp), tp, pp, ep, dtype),
+               progress_total=4 if show_progress else None, label=f"HF -> torch_dist (tp={tp} pp={pp} ep={ep})")
+        _copy_hf_side_files(hf_dir, tmp / HF_CONFIG_DIR)
+        (tmp / META_FILE).write_text(json.dumps({
+            "format": "torch_dist", "source": str(hf_dir), "source_hash": source_hash, "dtype": dtype,
+            "saved_layout": {"tp": tp, "pp": pp, "ep": ep}, "arch": arch.__dict__,
+        }, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def converted_meta(ckpt_dir: str | Path) -> dict | None:
+    p = Path(ckpt_dir) / META_FILE
+    return json.loads(p.read_text()) if p.is_file() else None
+
+
+def _copy_hf_side_files(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in HF_SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)
+
+
+def _dist_to_hf_rank(rank, world, port, queue, ckpt_dir: str, out_tmp: str, hf_config_dir: str, dtype: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    from vime_core import megatron_model as mm
+    from vime_core.qwen3_mapping import arch_from_hf_config, mcore_param_to_hf
+
+    _init_rank(rank, world, port, 1, 1, 1)
+    arch = arch_from_hf_config(read_hf_config(hf_config_dir))
+    model = mm.build_gpt(arch, mm.transformer_config(arch, dtype))
+    check_torch_dist_matches(ckpt_dir, model)
+    state = dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir)
+    model.load_state_dict(state, strict=False)
+    queue.put(("progress", 1))
+    tensors = [(k, v.clone()) for name, t in mm.iter_full_weights(model, arch) for k, v in mcore_param_to_hf(name, t, arch)]
+    queue.put(("progress", 2))
+    save_hf_checkpoint(tensors, out_tmp, hf_config_dir)
+    queue.put(("progress", 3))
+    _finish_rank()
+
+
+def convert_torch_dist_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_config_dir: str | Path | None = None,
+                             dtype: str | None = None, show_progress: bool = True) -> Path:
+    """Megatron torch_dist (any saved layout) -> HF safetensors with config and tokenizer files.
+
+    `hf_config_dir` defaults to the config/tokenizer copy stored with the conversion or training checkpoint."""
+    ckpt = Path(ckpt_dir)
+    if not (ckpt / "metadata.json").is_file() and not (ckpt / ".metadata").is_file():
+        raise ConversionError(f"{ckpt} is not a torch_dist checkpoint (no .metadata / metadata.json)")
+    cfg_dir = Path(hf_config_dir) if hf_config_dir else _find_hf_config(ckpt)
+    meta = converted_meta(ckpt) or converted_meta(ckpt.parent) or {}
+    dtype = dtype or meta.get("dtype", "float32")
+    out = Path(out_dir)
+    _spawn("_dist_to_hf_rank", 1, (str(ckpt), str(out), str(cfg_dir), dtype),
+           progress_total=3 if show_progress else None, label="torch_dist -> HF")
+    return out
+
+
+def _find_hf_config(ckpt: Path) -> Path:
+    for cand in (ckpt / HF_CONFIG_DIR, ckpt.parent / HF_CONFIG_DIR):
+        if (cand / "config.json").is_file():
+            return cand
+    raise ConversionError(f"{ckpt}: no {HF_CONFIG_DIR}/config.json next to the weights; pass the HF config directory")
+
+
+def check_torch_dist_matches(ckpt_dir: str | Path, model) -> None:
+    """Compare the checkpoint's tensors (names, global shapes) with what `model` expects; raise naming them."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    saved = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    expected: dict[str, tuple] = {}
+    sharded, _ = extract_sharded_tensors_and_factories(model.sharded_state_dict())
+
+    def walk(x):
+        if isinstance(x, ShardedTensor):
+            expected[x.key] = tuple(x.global_shape)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif hasattr(x, "build"):  # ShardedTensorFactory: its key is what the checkpoint holds
+            expected.setdefault(x.key, None)
+
+    walk(sharded)
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    wrong = [f"{k}: checkpoint {tuple(saved[k].global_shape)} vs model {expected[k]}" for k in expected
+             if k in saved and expected[k] is not None and tuple(saved[k].global_shape) != expected[k]]
+    if missing or unexpected or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {missing[:6]}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {unexpected[:6]}")
+        if wrong:
+            parts.append(f"shape mismatch: {wrong[:4]}")
+        raise ConversionError(f"torch_dist checkpoint {ckpt_dir} does not match the model: " + "; ".join(parts))
+
+
+# ====================================================================================================================
+# training checkpoints: <save_dir>/iter_<rollout_id>/{model/, optimizer/, rng/, state.json, hf_config/}
+# ====================================================================================================================
+LATEST = "latest"
+STATE_FILE = "state.json"
+
+
+class ResumeError(RuntimeError):
+    """A checkpoint cannot be resumed; the message names the differences and the way to start fresh."""
+
+
+def iter_name(rollout_id: int) -> str:
+    return f"iter_{rollout_id:07d}"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    tmp.write_text(text)
+    with open(tmp) as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class Checkpointer:
+    """Owns the save directory: complete checkpoints only ever appear by a directory rename, `latest` is replaced
+    after it, and `keep_last` old ones are pruned after that. An interrupted save leaves a `*.tmp-*` directory that
+    is never picked and is cleaned up by the next save."""
+
+    def __init__(self, save_dir: str | Path, keep_last: int = 2):
+        self.dir = Path(save_dir)
+        self.keep_last = keep_last
+
+    # -- writing --------------------------------------------------------------------------------------------------------
+    def begin(self, rollout_id: int) -> Path:
+        """A fresh temporary directory for the save of `rollout_id` (stale temporaries are removed)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob("iter_*.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = self.dir / f"{iter_name(rollout_id)}.tmp-{os.getpid()}"
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Path, rollout_id: int, state: dict) -> Path:
+        delay = float(os.environ.get("VIME_TEST_CHECKPOINT_DELAY_S", "0"))  # test hook: widen the crash window
+        if delay:
+            import time
+
+            time.sleep(delay)
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "rollout_id": rollout_id}, indent=2, default=str))
+        final = self.dir / iter_name(rollout_id)
+        if final.exists():  # a redo of a step after a crash: the new one replaces it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write(self.dir / LATEST, iter_name(rollout_id))
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        done = self.complete()
+        for old in done[: max(0, len(done) - self.keep_last)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # -- reading --------------------------------------------------------------------------------------------------------
+    def complete(self) -> list[Path]:
+        if not self.dir.is_dir():
+            return []
+        return sorted(p for p in self.dir.glob("iter_*") if p.is_dir() and ".tmp-" not in p.name and (p / STATE_FILE).is_file())
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint: `latest` if it names one, else the highest complete iteration."""
+        pointer = self.dir / LATEST
+        if pointer.is_file():
+            cand = self.dir / pointer.read_text().strip()
+            if (cand / STATE_FILE).is_file():
+                return cand
+        done = self.complete()
+        return done[-1] if done else None
+
+    @staticmethod
+    def read_state(ckpt: Path) -> dict:
+        return json.loads((ckpt / STATE_FILE).read_text())
+
+    def move_aside(self) -> Path | None:
+        """`checkpoint.start_fresh`: keep the old checkpoints, renamed with a timestamp, and start empty."""
+        if not self.dir.exists() or not any(self.dir.iterdir()):
+            return None
+        import time
+
+        aside = self.dir.with_name(self.dir.name + time.strftime(".old-%Y%m%d-%H%M%S"))
+        os.replace(self.dir, aside)
+        return aside
+
+
+def fingerprint_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted fields whose values differ between two fingerprint dicts, as 'field: saved -> current'."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += fingerprint_differences(a, b, name + ".")
+        elif a != b:
+            out.append(f"{name}: {a!r} -> {b!r}")
+    return out
+
+
+def check_resumable(state: dict, cfg) -> None:
+    diffs = fingerprint_differences(state.get("fingerprint_fields", {}), cfg.fingerprint_fields())
+    if diffs:
+        raise ResumeError(
+            f"the checkpoint in {cfg.save_dir} was written by a run with different settings, so resuming would not "
+            f"continue that run: {'; '.join(diffs)}. Restore those settings to resume, or start fresh with "
+            f"--set checkpoint.start_fresh=true (the old checkpoints are kept, renamed) or another output_dir."
+        )

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vime_core.config import RunConfig
-from vime_core.platform import apply_offline_env, raise_fd_limit, worker_env
+from vime_core.platform import LOCAL_RAY_ENV, apply_offline_env, raise_fd_limit, worker_env
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ def init_ray(cfg: RunConfig, platform: str) -> None:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return
     cpus = cfg.cluster.num_cpus or max(4, os.cpu_count() or 1)
+    for k, v in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(k, v)
     ray.init(
         num_cpus=cpus,
         include_dashboard=False,
@@ -173,7 +175,7 @@ def master_address(p: Placement, bundle: int) -> tuple[str, int]:
     return ray.get(probe.options(scheduling_strategy=_strategy(p, bundle)).remote())
 
 
-def create_trainers(cfg: RunConfig, p: Placement, platform: str, model_dir: str) -> list[Any]:
+def create_trainers(cfg: RunConfig, p: Placement, platform: str, model_dir: str, init_checkpoint: str | None = None) -> list[Any]:
     """All trainer ranks, constructed concurrently (each joins the process group in __init__); they start in the
     background (see `wait_ready`)."""
     import ray
@@ -188,7 +190,7 @@ def create_trainers(cfg: RunConfig, p: Placement, platform: str, model_dir: str)
             num_gpus=_share(p),
             scheduling_strategy=_strategy(p, bundle),
             runtime_env={"env_vars": _actor_env(platform)},
-        ).remote(cfg, model_dir, rank, world, addr, port, platform)
+        ).remote(cfg, model_dir, rank, world, addr, port, platform, init_checkpoint)
         for rank, bundle in enumerate(p.trainer_bundles)
     ]
     return actors

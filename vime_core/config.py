@@ -423,14 +423,25 @@ def check_model_compat(cfg: RunConfig, arch: ModelArch) -> None:
     """Raise ConfigError when the parallel layout does not fit the model (before any actor starts)."""
     t, r = cfg.train, cfg.rollout
     problems = []
-    for field, size in (("train.tensor_parallel_size", t.tensor_parallel_size), ("rollout.engine_tensor_parallel_size", r.engine_tensor_parallel_size)):
-        if arch.num_attention_heads % size:
-            problems.append(f"{field} = {size} does not divide the model's {arch.num_attention_heads} attention heads")
-        if arch.num_key_value_heads % size:
-            problems.append(
-                f"{field} = {size} does not divide the model's {arch.num_key_value_heads} KV groups "
-                f"(num_key_value_heads); use a size that divides {arch.num_key_value_heads}"
-            )
+    tp = t.tensor_parallel_size
+    if arch.num_attention_heads % tp:
+        problems.append(f"train.tensor_parallel_size = {tp} does not divide the model's {arch.num_attention_heads} attention heads")
+    if arch.num_key_value_heads % tp:
+        problems.append(
+            f"train.tensor_parallel_size = {tp} does not divide the model's {arch.num_key_value_heads} KV groups "
+            f"(num_key_value_heads); use a size that divides {arch.num_key_value_heads}"
+        )
+    if arch.vocab_size % tp:
+        problems.append(f"train.tensor_parallel_size = {tp} does not divide the model's vocabulary size {arch.vocab_size}")
+    etp = r.engine_tensor_parallel_size
+    if arch.num_attention_heads % etp:
+        problems.append(f"rollout.engine_tensor_parallel_size = {etp} does not divide the model's {arch.num_attention_heads} attention heads")
+    # vLLM replicates KV heads when its TP is a multiple of the KV groups
+    if arch.num_key_value_heads % etp and etp % arch.num_key_value_heads:
+        problems.append(
+            f"rollout.engine_tensor_parallel_size = {etp} neither divides nor is a multiple of the model's "
+            f"{arch.num_key_value_heads} KV groups (num_key_value_heads)"
+        )
     if arch.num_hidden_layers % t.pipeline_parallel_size:
         problems.append(
             f"train.pipeline_parallel_size = {t.pipeline_parallel_size} does not divide the model's "

@@ -49,6 +49,13 @@ class RunResult:
     final_eval: dict[str, float] = field(default_factory=dict)
     last_metrics: dict[str, float] = field(default_factory=dict)
     trainer_info: list[dict] = field(default_factory=list)
+    resumed_from: Path | None = None
+    last_checkpoint: Path | None = None
+    weights_checksum: tuple[float, float] | None = None  # (at start, at end): tests check that training moved them
+
+    @property
+    def steps_done(self) -> int:
+        return self.last_rollout_id - self.start_rollout_id + 1
 
 
 def prepare(cfg: RunConfig, model_dir: Path | None = None) -> Prepared:
@@ -79,9 +86,31 @@ def prepare(cfg: RunConfig, model_dir: Path | None = None) -> Prepared:
     return Prepared(cfg, platform, model_dir, tokenizer, prompts, eval_sets, reward_model)
 
 
+def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
+    """The checkpoint to resume from and its state (None, None for a fresh start). Checked before actors start."""
+    from vime_core.checkpoint import Checkpointer, check_resumable
+
+    ckpt = Checkpointer(cfg.save_dir, cfg.checkpoint.keep_last)
+    if cfg.checkpoint.start_fresh:
+        aside = ckpt.move_aside()
+        if aside:
+            log.info("checkpoint.start_fresh: moved %s aside to %s", cfg.save_dir, aside)
+        return None, None
+    latest = ckpt.latest() if cfg.checkpoint.resume else None
+    if latest is None:
+        return None, None
+    state = Checkpointer.read_state(latest)
+    check_resumable(state, cfg)
+    return latest, state
+
+
 def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, model_dir: Path | None = None,
-        prepared: Prepared | None = None) -> RunResult:
-    """Train `cfg` end to end. Metrics go to `sink` (step = rollout_id; eval rows at the number of steps done)."""
+        prepared: Prepared | None = None, init_checkpoint: Path | None = None, run_state: dict | None = None) -> RunResult:
+    """Train `cfg` end to end, resuming from the latest checkpoint of its save dir if there is one.
+
+    Metrics go to `sink` at step = rollout_id; eval rows at the number of rollout steps the policy has had (0 is the
+    baseline). `run_state` (e.g. the MLflow run id) is stored in every checkpoint so that a resume continues it."""
+    from vime_core.checkpoint import Checkpointer
     from vime_core.cluster import create_engines, create_trainers, init_ray, make_placement, shutdown_ray, wait_ready
     from vime_core.evaluation import evaluate
     from vime_core.rollout import RolloutRouter, collect_rollout
@@ -89,40 +118,94 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
     from vime_core.train import TrainerGroup
 
     p = prepared or prepare(cfg, model_dir)
+    resume_dir, state = resume_point(cfg)
+    start = state["rollout_id"] + 1 if state else 0
+    result = RunResult(start, start - 1, resumed_from=resume_dir, last_checkpoint=resume_dir)
+    if start >= cfg.rollout.num_rollout:
+        log.warning("the checkpoint %s already covers rollout.num_rollout = %d: nothing to train (raise num_rollout "
+                    "to extend the run)", resume_dir, cfg.rollout.num_rollout)
+        return result
+    ckpt = Checkpointer(cfg.save_dir, cfg.checkpoint.keep_last)
+    ledger = DataLedger(cfg.output_dir / "data_ledger.jsonl")
     init_ray(cfg, p.platform)
-    trainer = router = None
+    trainer = None
     try:
         placement = make_placement(cfg, p.platform)
-        trainer = TrainerGroup(create_trainers(cfg, placement, p.platform, str(p.model_dir)), cfg)
+        trainer = TrainerGroup(create_trainers(cfg, placement, p.platform, str(p.model_dir),
+                                               None if state else (str(init_checkpoint) if init_checkpoint else None)), cfg)
         router = RolloutRouter(create_engines(cfg, placement, p.platform, str(p.model_dir)))
         wait_ready(trainer.actors, router.engines)
         sync = WeightSync(trainer, router, resolve_strategy(cfg.sync.strategy, p.platform, cfg.cluster.colocate))
         buffer = DataBuffer(p.prompts, cfg.seed, cfg.data.shuffle)
-        start = 0
-        result = RunResult(start, start - 1)
+        if state:
+            trainer.load_checkpoint(str(resume_dir))
+            buffer.load_state_dict(state["data_buffer"])
+        if state or init_checkpoint:
+            sync.push()  # the engines started from the HF weights
+        checksum_start = trainer.weights_checksum()
         if p.eval_sets and cfg.eval.before_train and start == 0:
             result.baseline_eval = evaluate(router, p.eval_sets, cfg, p.reward_model)
             sink.log_metrics(0, result.baseline_eval)
 
         for rollout_id in range(start, cfg.rollout.num_rollout):
             t0 = time.perf_counter()
-            groups, metrics = collect_rollout(rollout_id, cfg, buffer, router, p.reward_model)
+            groups, metrics, consumed = collect_rollout(rollout_id, cfg, buffer, router, p.reward_model)
+            ledger.record(rollout_id, consumed)
             t1 = time.perf_counter()
             metrics |= trainer.train(rollout_id, groups)
             metrics["perf/train_time"] = time.perf_counter() - t1
             metrics["perf/update_weights_time"] = sync.push()
             metrics["perf/step_time"] = time.perf_counter() - t0
+            done = rollout_id + 1
+            if done == cfg.rollout.num_rollout or (cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0):
+                t2 = time.perf_counter()
+                result.last_checkpoint = save_checkpoint(ckpt, trainer, rollout_id, cfg, p, buffer, metrics, run_state)
+                metrics["perf/save_time"] = time.perf_counter() - t2
             sink.log_metrics(rollout_id, metrics)
             result.last_rollout_id, result.last_metrics = rollout_id, metrics
             if on_step:
                 on_step(rollout_id, metrics)
-            done = rollout_id + 1
             if p.eval_sets and (done == cfg.rollout.num_rollout or (cfg.eval.interval and done % cfg.eval.interval == 0)):
                 result.final_eval = evaluate(router, p.eval_sets, cfg, p.reward_model)
                 sink.log_metrics(done, result.final_eval)
+        result.weights_checksum = (checksum_start, trainer.weights_checksum())
         result.trainer_info = trainer.info()
         return result
     finally:
         if trainer is not None:
             trainer.shutdown()
         shutdown_ray()
+
+
+def save_checkpoint(ckpt, trainer, rollout_id: int, cfg: RunConfig, p: Prepared, buffer: DataBuffer,
+                    metrics: dict[str, float], run_state: dict | None) -> Path:
+    from vime_core.checkpoint import HF_CONFIG_DIR, _copy_hf_side_files
+
+    tmp = ckpt.begin(rollout_id)
+    trainer.save_checkpoint(str(tmp))
+    _copy_hf_side_files(p.model_dir, tmp / HF_CONFIG_DIR)
+    state = {
+        "fingerprint": cfg.fingerprint(),
+        "fingerprint_fields": cfg.fingerprint_fields(),
+        "data_buffer": buffer.state_dict(),
+        "model_dir": str(p.model_dir),
+        "metrics": metrics,
+        "run_state": run_state or {},
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    return ckpt.commit(tmp, rollout_id, state)
+
+
+class DataLedger:
+    """Which prompts (dataset indices) each rollout step consumed, one JSON line per step, appended. A step redone
+    after a crash appears twice; tests use it to show no batch is skipped or trained twice beyond the redone steps."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def record(self, rollout_id: int, prompt_indices: list[int]) -> None:
+        import json
+
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps({"rollout_id": rollout_id, "prompts": prompt_indices}) + "\n")

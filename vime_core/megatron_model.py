@@ -16,7 +16,8 @@ from vime_core.qwen3_mapping import Qwen3Arch, expert_index, local_view, unshard
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def transformer_config(arch: Qwen3Arch, dtype: str, tp: int = 1, ep: int = 1, sequence_parallel: bool = False, on_cpu: bool = True):
+def transformer_config(arch: Qwen3Arch, dtype: str, tp: int = 1, ep: int = 1, sequence_parallel: bool = False, on_cpu: bool = True,
+                       pp: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch_dtype = DTYPES[dtype]
@@ -60,6 +61,7 @@ def transformer_config(arch: Qwen3Arch, dtype: str, tp: int = 1, ep: int = 1, se
         gradient_accumulation_fusion=False,
         use_cpu_initialization=on_cpu,
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel,
         params_dtype=torch_dtype,
         bf16=torch_dtype == torch.bfloat16,
@@ -71,6 +73,8 @@ def transformer_config(arch: Qwen3Arch, dtype: str, tp: int = 1, ep: int = 1, se
 
 
 def build_gpt(arch: Qwen3Arch, config) -> torch.nn.Module:
+    """This rank's GPTModel (its pipeline stage: embedding on the first, output layer on the last)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -82,8 +86,8 @@ def build_gpt(arch: Qwen3Arch, config) -> torch.nn.Module:
         transformer_layer_spec=spec,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=arch.tie_embeddings,
         position_embedding_type="rope",
         rotary_percent=1.0,
@@ -105,8 +109,11 @@ def parallel_ranks() -> tuple[int, int, int, int]:
 
 def load_full_weights(model: torch.nn.Module, full: Mapping[str, torch.Tensor], arch: Qwen3Arch) -> None:
     """Copy full megatron tensors (global expert ids) into this rank's model shards. Strict about names."""
+    from megatron.core import parallel_state as ps
+
     tp, tp_rank, ep, ep_rank = parallel_ranks()
-    local = local_view(full, tp, tp_rank, ep, ep_rank, arch.num_experts)
+    local = local_view(full, tp, tp_rank, ep, ep_rank, arch.num_experts, ps.get_pipeline_model_parallel_world_size(),
+                       ps.get_pipeline_model_parallel_rank(), arch.num_layers)
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     missing, unexpected = sorted(set(own) - set(local)), sorted(set(local) - set(own))
     if missing or unexpected:

@@ -25,12 +25,15 @@ OFFLINE_ENV: dict[str, str] = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",  # 2 server processes instead of 10
     "RAY_USAGE_STATS_ENABLED": "0",
-    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # makes Ray bind 127.0.0.1 instead of the primary interface
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_DO_NOT_TRACK": "1",
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+
+# Only for a *local* Ray (cluster.init_ray): makes it bind 127.0.0.1 instead of the primary interface. Never in a
+# process that joins a multi-node cluster: `ray start` there aborts with "Multi-node Ray clusters are not supported".
+LOCAL_RAY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 RECOMMENDED_NOFILE = 1_048_576
 NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"

@@ -318,11 +318,29 @@ def with_expert_index(name: str, index: int) -> str:
     return f"{m.group(1)}{index}{m.group(3)}"
 
 
-def local_view(full: Mapping[str, Tensor], tp: int, tp_rank: int, ep: int, ep_rank: int, num_experts: int) -> dict[str, Tensor]:
-    """A rank's local megatron state dict (local expert ids, TP shards) from full tensors."""
+_LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
+
+
+def local_view(full: Mapping[str, Tensor], tp: int, tp_rank: int, ep: int, ep_rank: int, num_experts: int,
+               pp: int = 1, pp_rank: int = 0, num_layers: int | None = None) -> dict[str, Tensor]:
+    """A rank's local megatron state dict from full tensors: its pipeline stage's layers (renumbered from 0, the
+    embedding on the first stage, the final norm and output layer on the last), its experts (local ids) and its TP
+    shards."""
     per_rank = num_experts // ep if num_experts else 0
+    per_stage = (num_layers // pp) if (pp > 1 and num_layers) else None
     out = {}
     for name, t in full.items():
+        if per_stage is not None:
+            m = _LAYER_NAME.fullmatch(name)
+            if m:
+                layer = int(m.group(1))
+                if layer // per_stage != pp_rank:
+                    continue
+                name = f"decoder.layers.{layer - pp_rank * per_stage}.{m.group(2)}"
+            elif name.startswith("embedding.") and pp_rank != 0:
+                continue
+            elif name.startswith(("decoder.final_layernorm", "output_layer")) and pp_rank != pp - 1:
+                continue
         e = expert_index(name)
         if e is not None:
             if e // per_rank != ep_rank:

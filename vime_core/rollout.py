@@ -299,10 +299,12 @@ def sampling_spec(cfg) -> SamplingSpec:
     return SamplingSpec(r.n_samples_per_prompt, r.temperature, r.top_p, r.top_k, r.max_response_len, tuple(r.stop))
 
 
-def collect_rollout(rollout_id: int, cfg, buffer, router: RolloutRouter, reward_model) -> tuple[list[list[Sample]], dict[str, float]]:
+def collect_rollout(rollout_id: int, cfg, buffer, router: RolloutRouter, reward_model) -> tuple[list[list[Sample]], dict[str, float], list[int]]:
     """Generate and score `rollout_batch_size` groups. With dynamic sampling, groups whose rewards are all equal
     (no learning signal) are dropped and more prompts are generated, up to `max_sampling_attempts`; if still short,
-    dropped groups fill the batch (they carry zero advantage) so that the batch arithmetic holds."""
+    dropped groups fill the batch (they carry zero advantage) so that the batch arithmetic holds.
+
+    Returns (groups, metrics, dataset indices of every prompt the step consumed)."""
     import statistics
 
     r = cfg.rollout
@@ -314,6 +316,8 @@ def collect_rollout(rollout_id: int, cfg, buffer, router: RolloutRouter, reward_
     generated: list[list[Sample]] = []
     attempts = 0
     t0 = time.perf_counter()
+    # a cold prefix cache at every step: a resumed run then samples exactly as the uninterrupted one would
+    router.call_all("reset_prefix_cache")
     while len(kept) < want and attempts < (r.max_sampling_attempts if r.dynamic_sampling else 1):
         prompts = buffer.next_batch(per_attempt)
         base = len(generated)
@@ -333,6 +337,7 @@ def collect_rollout(rollout_id: int, cfg, buffer, router: RolloutRouter, reward_
         for s in g:
             s.group_id = gid
     everything = [s for g in generated for s in g]
+    consumed = [g[0].metadata.get("index") for g in generated]
     resp_lens = [s.response_len for s in everything]
     metrics = {
         "rollout/raw_reward": statistics.fmean(s.reward for s in everything),
@@ -350,4 +355,4 @@ def collect_rollout(rollout_id: int, cfg, buffer, router: RolloutRouter, reward_
             "rollout/dynamic_sampling/dropped_groups": float(len(dropped)),
             "rollout/dynamic_sampling/shortfall": float(shortfall),
         })
-    return batch, metrics
+    return batch, metrics, consumed

@@ -17,6 +17,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,7 +104,8 @@ def lr_at(step: int, cfg: RunConfig) -> float:
 class Trainer:
     """One trainer rank. Construct all ranks of a group concurrently: __init__ joins the process group."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, rank: int, world_size: int, master_addr: str, master_port: int, platform: str):
+    def __init__(self, cfg: RunConfig, model_dir: str, rank: int, world_size: int, master_addr: str, master_port: int, platform: str,
+                 init_checkpoint: str | None = None):
         from vime_core.platform import apply_megatron_cpu_shims, apply_offline_env
 
         apply_offline_env()
@@ -116,7 +118,7 @@ class Trainer:
             self.device = torch.device("cuda", _pick_local_gpu())
             torch.cuda.set_device(self.device)
         self._init_parallel(master_addr, master_port)
-        self._build(model_dir)
+        self._build(model_dir, init_checkpoint)
 
     # -- setup --------------------------------------------------------------------------------------------------------
     def _init_parallel(self, master_addr: str, master_port: int) -> None:
@@ -147,9 +149,9 @@ class Trainer:
             model_parallel_cuda_manual_seed(seed)
         self.ps = ps
 
-    def _build(self, model_dir: str) -> None:
+    def _build(self, model_dir: str, init_checkpoint: str | None) -> None:
+        """Policy (and frozen reference) from the HF checkpoint, or the policy from a converted torch_dist one."""
         import json
-        from pathlib import Path
 
         from vime_core import megatron_model as mm
         from vime_core.checkpoint import load_hf_state_dict
@@ -164,6 +166,8 @@ class Trainer:
         full = hf_to_mcore(load_hf_state_dict(model_dir), self.arch)
         self.model = mm.build_gpt(self.arch, self.tf_config).to(self.device)
         mm.load_full_weights(self.model, full, self.arch)
+        if init_checkpoint:
+            self._load_model(Path(init_checkpoint))
         self.ref_model = None
         if self.cfg.grpo.kl_loss_coef > 0:
             self.ref_model = mm.build_gpt(self.arch, self.tf_config).to(self.device).eval()
@@ -365,6 +369,63 @@ class Trainer:
         dist.all_reduce(t, group=self.ps.get_data_parallel_group())
         return float(t.item())
 
+    # -- checkpoints --------------------------------------------------------------------------------------------------
+    def _load_model(self, path) -> None:
+        from megatron.core import dist_checkpointing
+
+        from vime_core.checkpoint import check_torch_dist_matches
+
+        check_torch_dist_matches(path, self.model)
+        state = dist_checkpointing.load(self.model.sharded_state_dict(), str(path))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        missing = [m for m in missing if not m.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"torch_dist checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        """Model (torch_dist, collective), and this rank's optimizer state and RNG states, into `ckpt_dir`."""
+        import random
+
+        import numpy as np
+        from megatron.core import dist_checkpointing
+
+        d = Path(ckpt_dir)
+        if self.rank == 0:
+            for sub in ("model", "optimizer", "rng"):
+                (d / sub).mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self.model.sharded_state_dict(), str(d / "model"))
+        name = f"rank_{self.rank:05d}.pt"
+        if self.cfg.checkpoint.save_optimizer:
+            torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step}, d / "optimizer" / name)
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        torch.save(rng, d / "rng" / name)
+        dist.barrier()
+
+    def load_checkpoint(self, ckpt_dir: str) -> int:
+        """Restore model, optimizer (Adam moments and step count: the LR follows from it) and RNG. Returns the step."""
+        import random
+
+        import numpy as np
+
+        d = Path(ckpt_dir)
+        self._load_model(d / "model")
+        name = f"rank_{self.rank:05d}.pt"
+        opt_file = d / "optimizer" / name
+        if opt_file.is_file():
+            blob = torch.load(opt_file, map_location=self.device, weights_only=False)
+            self.optimizer.load_state_dict(blob["optimizer"])
+            self.step = int(blob["step"])
+        rng = torch.load(d / "rng" / name, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        if "cuda" in rng and self.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.device)
+        return self.step
+
     # -- weights out --------------------------------------------------------------------------------------------------
     def export_hf_weights(self) -> list[tuple[str, torch.Tensor]] | None:
         """Full HF-named weights (CPU tensors) on global rank 0, None elsewhere. Collective over all ranks."""
@@ -471,6 +532,12 @@ class TrainerGroup:
 
     def weights_checksum(self) -> float:
         return sum(self._all("weights_checksum"))
+
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        self._all("save_checkpoint", ckpt_dir)
+
+    def load_checkpoint(self, ckpt_dir: str) -> int:
+        return self._all("load_checkpoint", ckpt_dir)[0]
 
     def info(self) -> list[dict]:
         return self._all("info")
