@@ -489,3 +489,16 @@ def check_resumable(state: dict, cfg) -> None:
             f"continue that run: {'; '.join(diffs)}. Restore those settings to resume, or start fresh with "
             f"--set checkpoint.start_fresh=true (the old checkpoints are kept, renamed) or another output_dir."
         )
+
+
+def read_torch_dist_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist checkpoint, unsharded, without a process group (for inspection and tests)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "all.pt"
+        dcp_to_torch_save(str(ckpt_dir), str(out))
+        blob = torch.load(out, weights_only=False)
+    return {k: v for k, v in blob.items() if isinstance(v, torch.Tensor)}
