@@ -6,6 +6,8 @@ import json
 import logging
 import os
 import sys
+from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
@@ -17,6 +19,8 @@ config_app = typer.Typer(no_args_is_help=True, help="Inspect configurations.")
 builtin_app = typer.Typer(no_args_is_help=True, help="The embedded default model and data.")
 app.add_typer(config_app, name="config")
 app.add_typer(builtin_app, name="builtin")
+convert_app = typer.Typer(no_args_is_help=True, help="Convert checkpoints: HF safetensors <-> Megatron torch_dist.")
+app.add_typer(convert_app, name="convert")
 
 console = Console(stderr=False)
 err = Console(stderr=True)
@@ -113,6 +117,62 @@ def builtin_build(names: list[str] = typer.Argument(None, help="Builtin model na
             f"validation sampled accuracy {info['val_sampled_accuracy']:.3f} | built in {info['build_seconds']}s",
             highlight=False,
         )
+
+
+class Dtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+
+
+@contextmanager
+def _conversion_errors():
+    """Known conversion failures -> one red line on stderr and exit code 1 (the first line: rank errors add a traceback)."""
+    from rich.markup import escape
+
+    from vime_core.checkpoint import ConversionError, ModelFileError
+    from vime_core.qwen3_mapping import CheckpointMismatchError, UnsupportedModelError
+    from vime_core.sources import SourceError
+
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the rank processes' import-time warnings (no apex, no TE)
+    try:
+        yield
+    except (ConversionError, UnsupportedModelError, CheckpointMismatchError, ModelFileError, SourceError) as e:
+        err.print(f"[red]{type(e).__name__}[/red]: {escape(str(e).strip().splitlines()[0])}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+@convert_app.command("hf-to-megatron")
+def convert_hf_to_megatron(
+    src: str = typer.Argument(..., help="builtin://<name>, hf://<org>/<name>(@<revision>) or an HF checkpoint directory."),
+    dst: Path = typer.Argument(..., help="Output directory for the torch_dist checkpoint."),
+    tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel size to save at (any layout loads it later)."),
+    pp: int = typer.Option(1, "--pp", min=1, help="Pipeline-parallel size to save at."),
+    ep: int = typer.Option(1, "--ep", min=1, help="Expert-parallel size to save at (MoE only)."),
+    dtype: Dtype = typer.Option(Dtype.float32, "--dtype", help="Parameter dtype of the checkpoint."),
+) -> None:
+    """HF checkpoint -> Megatron torch_dist (skipped when DST already holds a conversion of the same source)."""
+    from vime_core.checkpoint import convert_hf_to_torch_dist
+    from vime_core.sources import resolve_model
+
+    with _conversion_errors():
+        model = resolve_model(src)
+        out = convert_hf_to_torch_dist(model.path, dst, tp=tp, pp=pp, ep=ep, dtype=dtype.value, source_hash=model.content_hash)
+    console.print(f"torch_dist checkpoint of {src} ({dtype.value}): {out}", highlight=False)
+
+
+@convert_app.command("megatron-to-hf")
+def convert_megatron_to_hf(
+    src: Path = typer.Argument(..., help="torch_dist checkpoint directory (a conversion, or a training checkpoint's model/)."),
+    dst: Path = typer.Argument(..., help="Output directory for the HF checkpoint (safetensors, config, tokenizer)."),
+    hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="HF config/tokenizer directory (default: the copy stored with SRC)."),
+    dtype: Optional[Dtype] = typer.Option(None, "--dtype", help="Dtype to export (default: the checkpoint's)."),
+) -> None:
+    """Megatron torch_dist (any saved layout) -> HF safetensors with config and tokenizer files."""
+    from vime_core.checkpoint import convert_torch_dist_to_hf
+
+    with _conversion_errors():
+        out = convert_torch_dist_to_hf(src, dst, hf_config_dir=hf_config, dtype=dtype.value if dtype else None)
+    console.print(f"HF checkpoint: {out}", highlight=False)
 
 
 def main() -> None:  # pragma: no cover

@@ -81,17 +81,18 @@ class Placement:
     colocate: bool
 
 
-def make_placement(cfg: RunConfig, platform: str) -> Placement:
+def make_placement(cfg: RunConfig, platform: str, engines_only: bool = False) -> Placement:
+    """One bundle per device (see module doc); `engines_only` for evaluation without a trainer."""
     import ray
     from ray.util.placement_group import placement_group
 
     gpu = platform != "cpu"
-    n_train, n_roll = cfg.train.num_devices, cfg.rollout_devices
+    n_train, n_roll = (0 if engines_only else cfg.train.num_devices), cfg.rollout_devices
     if gpu:
         unit = {"GPU": 1, "CPU": 1}
     else:
         unit = {"CPU": 1}
-    if cfg.cluster.colocate:
+    if cfg.cluster.colocate and not engines_only:
         bundles = [dict(unit) for _ in range(n_train)]
         trainer_b, engine_b = list(range(n_train)), list(range(0, n_roll, cfg.rollout.engine_tensor_parallel_size))
     else:
@@ -105,7 +106,7 @@ def make_placement(cfg: RunConfig, platform: str) -> Placement:
             f"Ray could not place {len(bundles)} bundle(s) of {unit} within {PLACEMENT_TIMEOUT_S}s; "
             f"cluster resources: {ray.cluster_resources()}. Lower train.num_devices / rollout.num_engines or add nodes."
         )
-    return Placement(pg, trainer_b, engine_b, gpu, cfg.cluster.colocate)
+    return Placement(pg, trainer_b, engine_b, gpu, cfg.cluster.colocate and not engines_only)
 
 
 def _strategy(p: Placement, bundle: int):
@@ -116,6 +117,8 @@ def _strategy(p: Placement, bundle: int):
 
 def _actor_env(platform: str) -> dict[str, str]:
     env = worker_env(platform, None)
+    # megatron, vLLM and torch warn on every import about optional packages absent here; keep actor logs readable
+    env.setdefault("PYTHONWARNINGS", os.environ.get("VIME_ACTOR_WARNINGS", "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning"))
     env.pop("CUDA_VISIBLE_DEVICES", None)  # on GPU each actor picks its device from ray.get_gpu_ids()
     if platform == "cpu":
         # Ray sets OMP_NUM_THREADS=1 for 1-CPU actors; trainer and engines take turns, so each may use every core

@@ -40,3 +40,22 @@ def evaluate(router: RolloutRouter, eval_sets: dict[str, PromptSet], cfg, reward
         metrics[f"eval/{name}/num_prompts"] = float(len(groups))
         metrics[f"perf/eval_time/{name}"] = time.perf_counter() - t0
     return metrics
+
+
+def evaluate_model(cfg, model_dir) -> dict[str, float]:
+    """Evaluate an HF checkpoint on `cfg.eval.datasets` with fresh vLLM engines (no trainer)."""
+    from pathlib import Path
+
+    from vime_core.cluster import create_engines, init_ray, make_placement, shutdown_ray, wait_ready
+    from vime_core.loop import prepare
+
+    p = prepare(cfg, Path(model_dir), eval_only=True)
+    if not p.eval_sets:
+        raise ValueError("eval.datasets is empty: nothing to evaluate")
+    init_ray(cfg, p.platform)
+    try:
+        engines = create_engines(cfg, make_placement(cfg, p.platform, engines_only=True), p.platform, str(p.model_dir))
+        wait_ready([], engines)
+        return evaluate(RolloutRouter(engines), p.eval_sets, cfg, p.reward_model)
+    finally:
+        shutdown_ray()

@@ -58,13 +58,14 @@ class RunResult:
         return self.last_rollout_id - self.start_rollout_id + 1
 
 
-def prepare(cfg: RunConfig, model_dir: Path | None = None) -> Prepared:
+def prepare(cfg: RunConfig, model_dir: Path | None = None, eval_only: bool = False) -> Prepared:
+    """Resolve the model, check the config against it, load and validate every dataset: all before any actor."""
     from transformers import AutoTokenizer
 
     from vime_core.checkpoint import read_hf_config
     from vime_core.platform import detect_platform
     from vime_core.qwen3_mapping import arch_from_hf_config
-    from vime_core.sources import resolve_dataset, resolve_model
+    from vime_core.sources import resolve_model
 
     platform = detect_platform(cfg.cluster.platform)
     if cfg.train.pipeline_parallel_size > 1:
@@ -77,13 +78,18 @@ def prepare(cfg: RunConfig, model_dir: Path | None = None) -> Prepared:
     check_model_compat(cfg, ModelArch.from_hf_config(hf_config))
     arch_from_hf_config(hf_config)  # raises on architectures the weight mapping does not support
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = load_prompts(str(resolve_dataset(cfg.data.source).path if not cfg.data.source.startswith("builtin://") else cfg.data.source), tokenizer, cfg.data)
+    prompts = PromptSet(cfg.data.source, []) if eval_only else load_prompts(_dataset_path(cfg.data.source), tokenizer, cfg.data)
     eval_sets = {}
     for d in cfg.eval.datasets:
-        src = d.source if d.source.startswith("builtin://") else str(resolve_dataset(d.source).path)
-        eval_sets[d.name] = load_prompts(src, tokenizer, cfg.data, max_prompts=d.max_prompts)
+        eval_sets[d.name] = load_prompts(_dataset_path(d.source), tokenizer, cfg.data, max_prompts=d.max_prompts)
     reward_model = RewardModel(cfg.rollout.reward, cfg.rollout.reward_type, cfg.rollout.strict_format)
     return Prepared(cfg, platform, model_dir, tokenizer, prompts, eval_sets, reward_model)
+
+
+def _dataset_path(source: str) -> str:
+    from vime_core.sources import resolve_dataset
+
+    return source if source.startswith("builtin://") else str(resolve_dataset(source).path)
 
 
 def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:

