@@ -21,7 +21,7 @@ from prefect.runtime import flow_run
 from tasks.common import markdown
 from tasks.convert import convert_checkpoint
 from tasks.download import download_dataset, download_model
-from tasks.evaluate import evaluate
+from tasks.evaluate import evaluate, log_evaluation
 from tasks.register import export_hf, register_model
 from tasks.tracking import finish_tracking, start_tracking, tracking_target
 from tasks.train import train_grpo
@@ -45,7 +45,9 @@ def grpo_pipeline(config_path: str = "configs/tiny-cpu.yaml", overrides: list[st
         if not trained["last_checkpoint"]:
             raise RuntimeError("training produced no checkpoint")
         exported = export_hf(config, trained["last_checkpoint"])
-        final = evaluate(config, exported, run_id) if cfg.eval.datasets else {}
+        final = evaluate(config, exported) if cfg.eval.datasets else {}
+        if final:
+            log_evaluation(config, final, exported, run_id)
         registry = register_model(config, exported, run_id, final) if final else {"registered": False}
     except BaseException:
         finish_tracking(config, run_id, {}, status="FAILED")

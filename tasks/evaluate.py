@@ -25,16 +25,25 @@ def _cache_key(context: TaskRunContext, params: dict[str, Any]) -> str:
 
 
 @task(name="evaluate", retries=1, retry_delay_seconds=RETRY_DELAYS, cache_key_fn=_cache_key, persist_result=True)
-def evaluate(config: dict[str, Any], model_dir: str, parent_run_id: str | None = None, label: str = "final") -> dict[str, float]:
+def evaluate(config: dict[str, Any], model_dir: str) -> dict[str, float]:
+    """Evaluate `model_dir` (HF) on cfg.eval.datasets. Pure (cached by weights + settings); logging is separate."""
+    return evaluate_model(cfg_of(config), model_dir)
+
+
+@task(name="log-evaluation", retries=2, retry_delay_seconds=[2, 10])
+def log_evaluation(config: dict[str, Any], metrics: dict[str, float], model_dir: str, parent_run_id: str | None = None,
+                   label: str = "final") -> None:
+    """An MLflow run of its own (a child of the pipeline's run when there is one), the summary on the parent, and a
+    Prefect artifact."""
     cfg = cfg_of(config)
-    metrics = evaluate_model(cfg, model_dir)
-    if parent_run_id:
+    if cfg.tracking.enabled:
         uri, experiment = tracking_target(cfg)
         child = MlflowRun(uri, experiment, run_name=f"evaluate-{label}", parent_run_id=parent_run_id,
                           tags={"vime.stage": "evaluate", "vime.model_dir": str(model_dir)})
         child.log_metrics(0, metrics)
         child.end()
-        MlflowRun(uri, experiment, run_id=parent_run_id).log_metrics(cfg.rollout.num_rollout, {f"final_{k}": v for k, v in metrics.items()})
+        if parent_run_id:
+            MlflowRun(uri, experiment, run_id=parent_run_id).log_metrics(
+                cfg.rollout.num_rollout, {f"final_{k}": v for k, v in metrics.items()})
     markdown(f"Held-out evaluation ({label})", {k: v for k, v in metrics.items() if k.startswith("eval/")},
              artifact_key(cfg.name, "evaluate", label))
-    return metrics

@@ -12,15 +12,14 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from tasks.common import RETRY_DELAYS, artifact_key, cfg_of, markdown
 from tasks.tracking import tracking_target
 from vime_core.loop import run
-from vime_core.tracking import JsonlSink, MemorySink, MlflowRun, MultiSink
+from vime_core.tracking import JsonlSink, MlflowRun, MultiSink
 
 
 @task(name="train-grpo", retries=2, retry_delay_seconds=RETRY_DELAYS)
 def train_grpo(config: dict[str, Any], model: dict[str, Any], init_checkpoint: str | None, mlflow_run_id: str | None) -> dict[str, Any]:
     cfg = cfg_of(config)
     tracker = MlflowRun(*tracking_target(cfg), run_id=mlflow_run_id) if mlflow_run_id else None
-    memory = MemorySink()
-    sink = MultiSink(memory, tracker, JsonlSink(cfg.output_dir / "metrics.jsonl", append=True))
+    sink = MultiSink(tracker, JsonlSink(cfg.output_dir / "metrics.jsonl", append=True))
     progress = create_progress_artifact(progress=0.0, key=artifact_key(cfg.name, "train-progress"),
                                         description=f"GRPO rollout steps of {cfg.name}")
 
@@ -34,7 +33,7 @@ def train_grpo(config: dict[str, Any], model: dict[str, Any], init_checkpoint: s
                      run_state={"mlflow_run_id": mlflow_run_id})
     finally:
         sink.close()
-    rewards = [r["rollout/raw_reward"] for r in memory.rows if "rollout/raw_reward" in r]
+    rewards = reward_curve(cfg.output_dir / "metrics.jsonl")
     summary = {
         "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
         "resumed_from": str(result.resumed_from) if result.resumed_from else None,
@@ -44,9 +43,21 @@ def train_grpo(config: dict[str, Any], model: dict[str, Any], init_checkpoint: s
         "final_eval": result.final_eval,
         "reward_first": rewards[0] if rewards else None,
         "reward_last": rewards[-1] if rewards else None,
+        "num_rollout": cfg.rollout.num_rollout,
     }
     if tracker and result.last_checkpoint:
         tracker.log_text(json.dumps({"checkpoint_dir": str(cfg.save_dir), "latest": str(result.last_checkpoint)}, indent=2),
                          "checkpoints.json")
     markdown("GRPO training", {k: v for k, v in summary.items() if not isinstance(v, dict)}, artifact_key(cfg.name, "train"))
     return summary
+
+
+def reward_curve(metrics_file) -> list[float]:
+    """rollout/raw_reward by step over every attempt of this run (a redone step counts once, its last value)."""
+    by_step: dict[int, float] = {}
+    if metrics_file.is_file():
+        for line in metrics_file.read_text().splitlines():
+            row = json.loads(line)
+            if "rollout/raw_reward" in row:
+                by_step[row["step"]] = row["rollout/raw_reward"]
+    return [by_step[k] for k in sorted(by_step)]

@@ -119,11 +119,16 @@ class ConversionError(RuntimeError):
 
 
 def _layout_problems(arch, tp: int, pp: int, ep: int) -> list[str]:
+    if min(tp, pp, ep) < 1:
+        return [f"tp, pp and ep must be at least 1 (got tp={tp} pp={pp} ep={ep})"]
     problems = []
     if arch.num_heads % tp or arch.num_kv_heads % tp:
         problems.append(f"tp = {tp} must divide the {arch.num_heads} attention heads and {arch.num_kv_heads} KV groups")
     if arch.vocab_size % tp:
         problems.append(f"tp = {tp} must divide the vocabulary size {arch.vocab_size}")
+    ffn = arch.moe_ffn_hidden_size if arch.is_moe else arch.ffn_hidden_size
+    if ffn % tp:
+        problems.append(f"tp = {tp} must divide the MLP size {ffn}")
     if arch.num_layers % pp:
         problems.append(f"pp = {pp} must divide the {arch.num_layers} layers")
     if ep > 1 and (not arch.is_moe or arch.num_experts % ep):
@@ -243,7 +248,7 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, tp: int = 
 
     Skipped when `out_dir` already holds a conversion of the same source hash and dtype. Written to a temporary
     sibling and renamed."""
-    from vime_core.qwen3_mapping import arch_from_hf_config, check_hf_names
+    from vime_core.qwen3_mapping import arch_from_hf_config, check_hf_names, check_shapes
     from vime_core.sources import content_hash
 
     hf_dir, out = Path(hf_dir), Path(out_dir)
@@ -257,11 +262,16 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, tp: int = 
         return out
     from safetensors import safe_open
 
-    names = set()
+    shapes: dict[str, tuple] = {}
     for f in weight_files(hf_dir):
-        with safe_open(str(f), "pt") as fh:
-            names |= set(fh.keys())
-    check_hf_names(names, arch, where=str(hf_dir))  # fail fast, before spawning ranks
+        try:
+            with safe_open(str(f), "pt") as fh:
+                shapes.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
+        except Exception as e:
+            raise ModelFileError(f"cannot read weights file {f}: {e}") from e
+    check_hf_names(set(shapes), arch, where=str(hf_dir))  # fail fast, before spawning ranks
+    check_shapes(shapes, arch, where=str(hf_dir))
+    _check_replaceable(out, META_FILE)
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -279,6 +289,12 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, tp: int = 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _check_replaceable(out: Path, marker: str) -> None:
+    """`out` is replaced by a conversion: refuse unless it is absent, empty, or an earlier output (holds `marker`)."""
+    if out.is_file() or (out.is_dir() and any(out.iterdir()) and not (out / marker).is_file()):
+        raise ConversionError(f"{out} exists and is not an earlier conversion output (no {marker}); remove it or choose another directory")
 
 
 def converted_meta(ckpt_dir: str | Path) -> dict | None:
@@ -322,9 +338,13 @@ def convert_torch_dist_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_confi
     if not (ckpt / "metadata.json").is_file() and not (ckpt / ".metadata").is_file():
         raise ConversionError(f"{ckpt} is not a torch_dist checkpoint (no .metadata / metadata.json)")
     cfg_dir = Path(hf_config_dir) if hf_config_dir else _find_hf_config(ckpt)
+    from vime_core.qwen3_mapping import arch_from_hf_config
+
+    arch_from_hf_config(read_hf_config(cfg_dir))  # fail fast on a missing or unsupported config
     meta = converted_meta(ckpt) or converted_meta(ckpt.parent) or {}
     dtype = dtype or meta.get("dtype", "float32")
     out = Path(out_dir)
+    _check_replaceable(out, "config.json")
     _spawn("_dist_to_hf_rank", 1, (str(ckpt), str(out), str(cfg_dir), dtype),
            progress_total=3 if show_progress else None, label="torch_dist -> HF")
     return out
@@ -360,6 +380,15 @@ def check_torch_dist_matches(ckpt_dir: str | Path, model) -> None:
             expected.setdefault(x.key, None)
 
     walk(sharded)
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:  # pipeline stages hold different tensors: use the union
+        views: list = [None] * dist.get_world_size()
+        dist.all_gather_object(views, expected)
+        for view in views:
+            for k, shape in view.items():
+                if expected.get(k) is None:
+                    expected[k] = shape
     missing = sorted(set(expected) - set(saved))
     unexpected = sorted(set(saved) - set(expected))
     wrong = [f"{k}: checkpoint {tuple(saved[k].global_shape)} vs model {expected[k]}" for k in expected

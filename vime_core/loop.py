@@ -126,7 +126,8 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
     p = prepared or prepare(cfg, model_dir)
     resume_dir, state = resume_point(cfg)
     start = state["rollout_id"] + 1 if state else 0
-    result = RunResult(start, start - 1, resumed_from=resume_dir, last_checkpoint=resume_dir)
+    result = RunResult(start, start - 1, resumed_from=resume_dir, last_checkpoint=resume_dir,
+                       baseline_eval=(state or {}).get("baseline_eval", {}))
     if start >= cfg.rollout.num_rollout:
         log.warning("the checkpoint %s already covers rollout.num_rollout = %d: nothing to train (raise num_rollout "
                     "to extend the run)", resume_dir, cfg.rollout.num_rollout)
@@ -165,7 +166,8 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
             done = rollout_id + 1
             if done == cfg.rollout.num_rollout or (cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0):
                 t2 = time.perf_counter()
-                result.last_checkpoint = save_checkpoint(ckpt, trainer, rollout_id, cfg, p, buffer, metrics, run_state)
+                result.last_checkpoint = save_checkpoint(ckpt, trainer, rollout_id, cfg, p, buffer, metrics, run_state,
+                                                         result.baseline_eval)
                 metrics["perf/save_time"] = time.perf_counter() - t2
             sink.log_metrics(rollout_id, metrics)
             result.last_rollout_id, result.last_metrics = rollout_id, metrics
@@ -184,7 +186,7 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
 
 
 def save_checkpoint(ckpt, trainer, rollout_id: int, cfg: RunConfig, p: Prepared, buffer: DataBuffer,
-                    metrics: dict[str, float], run_state: dict | None) -> Path:
+                    metrics: dict[str, float], run_state: dict | None, baseline_eval: dict[str, float]) -> Path:
     from vime_core.checkpoint import HF_CONFIG_DIR, _copy_hf_side_files
 
     tmp = ckpt.begin(rollout_id)
@@ -197,6 +199,7 @@ def save_checkpoint(ckpt, trainer, rollout_id: int, cfg: RunConfig, p: Prepared,
         "model_dir": str(p.model_dir),
         "metrics": metrics,
         "run_state": run_state or {},
+        "baseline_eval": baseline_eval,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     return ckpt.commit(tmp, rollout_id, state)

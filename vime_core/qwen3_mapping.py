@@ -68,13 +68,19 @@ def arch_from_hf_config(hf: Mapping[str, Any]) -> Qwen3Arch:
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"config.json hidden_act = {hf.get('hidden_act')!r}: only silu is supported")
     rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise UnsupportedModelError(f"config.json rope type {rope_type!r} is not supported (only default RoPE)")
+    for field in ("rope_parameters", "rope_scaling"):  # either may be present (transformers 5 / 4): check both
+        rope_type = (hf.get(field) or {}).get("rope_type") or (hf.get(field) or {}).get("type") or "default"
+        if rope_type != "default":
+            raise UnsupportedModelError(f"config.json {field}.rope_type = {rope_type!r} is not supported (only default RoPE)")
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
+        raise UnsupportedModelError("config.json use_sliding_window / layer_types: sliding-window attention is not supported")
     rope_theta = hf.get("rope_theta", rope.get("rope_theta"))
     if rope_theta is None:
         raise UnsupportedModelError("config.json has neither rope_theta nor rope_parameters.rope_theta")
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    absent = [k for k in required if k not in hf]
+    if absent:
+        raise UnsupportedModelError(f"config.json lacks {', '.join(absent)}")
     heads = hf["num_attention_heads"]
     kv = hf.get("num_key_value_heads", heads)
     if heads % kv:
@@ -171,8 +177,8 @@ def check_shapes(hf: Mapping[str, Tensor], arch: Qwen3Arch, where: str = "checkp
         else:
             F = arch.ffn_hidden_size
             want.update({p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H), p + "mlp.down_proj.weight": (H, F)})
-    for name, shape in want.items():
-        got = tuple(hf[name].shape)
+    for name, shape in want.items():  # values: tensors, or shapes (read from safetensors headers)
+        got = tuple(getattr(hf[name], "shape", hf[name]))
         if got != shape:
             raise CheckpointMismatchError(f"{where}: tensor {name} has shape {got}, config.json implies {shape}")
 

@@ -1,0 +1,52 @@
+"""On-demand evaluation of any policy: a registered model, an HF checkpoint, or a training checkpoint.
+
+    python -m flows.evaluate --model mlflow://models:/vime-tiny-cpu@champion --config configs/tiny-cpu.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import flows  # noqa: F401
+from prefect import flow
+
+from tasks.download import download_model
+from tasks.evaluate import evaluate, log_evaluation
+from tasks.register import export_hf
+from vime_core.checkpoint import STATE_FILE
+from vime_core.config import load_config
+
+
+@flow(name="evaluate-checkpoint", log_prints=True)
+def evaluate_checkpoint(model: str, config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | None = None) -> dict[str, float]:
+    """`model`: a model source (builtin://, hf://, mlflow://models:/..., an HF directory) or a training checkpoint
+    directory (iter_XXXXXXX, exported to HF first). Eval datasets and sampling come from the config."""
+    cfg = load_config(config_path, overrides or [])
+    config = cfg.model_dump(mode="json")
+    if (Path(model) / STATE_FILE).is_file():
+        model_dir = export_hf(config, model)
+    else:
+        model_dir = download_model(model)["path"]
+    metrics = evaluate(config, model_dir)
+    log_evaluation(config, metrics, model_dir, None, label=Path(str(model)).name or "model")
+    for k, v in sorted(metrics.items()):
+        if "pass@" in k:
+            print(f"{k} = {v:.4f}")
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flows.evaluate", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--config", "-c", default="configs/tiny-cpu.yaml")
+    parser.add_argument("--set", "-s", dest="overrides", action="append", default=[])
+    args = parser.parse_args(argv)
+    evaluate_checkpoint(args.model, args.config, args.overrides)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
