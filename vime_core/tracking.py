@@ -305,7 +305,8 @@ def download_registered_model(uri_or_spec: str, tracking_uri: str | None = None,
         return target
     mlflow.set_tracking_uri(tracking_uri)
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(target.parent / (target.name + ".dl"))))
-    if local.name.endswith(".ref.json"):
+    if local.name.endswith(".ref.json"):  # a large export logged by reference
         return Path(json.loads(local.read_text())["path"])
-    os.replace(local, target) if not target.exists() else None
+    if not target.exists():
+        os.replace(local, target)
     return target

@@ -1,0 +1,173 @@
+"""Sources (huggingface_hub cache, MLflow registry, local, builtin), MLflow tracking and registry rules, and the
+clear errors of bad inputs. huggingface_hub and MLflow run for real (a local fake hub fills a real hub cache)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+HF_REPO = "vime-test/tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory, dense_model_dir):
+    """A hub cache written by huggingface_hub's own snapshot_download from a fake hub on 127.0.0.1."""
+    from tests.helpers.fake_hub import serve
+
+    hf_home = tmp_path_factory.mktemp("hf-home")
+    server, url = serve(HF_REPO, dense_model_dir)
+    try:
+        script = "import sys; from huggingface_hub import snapshot_download; print(snapshot_download(sys.argv[1]))"
+        env = {**os.environ, "HF_ENDPOINT": url, "HF_HOME": str(hf_home), "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0"}
+        r = subprocess.run([sys.executable, "-c", script, HF_REPO], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    finally:
+        server.shutdown()
+    return hf_home
+
+
+def run_offline(hf_home: Path, code: str) -> subprocess.CompletedProcess:
+    """Run `code` with the hub unreachable and HF_HUB_OFFLINE=1 (read by huggingface_hub at import)."""
+    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9",
+           "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_download_model_reads_the_hub_cache_offline(hub_cache, dense_model_dir):
+    r = run_offline(hub_cache, f"""
+        import json
+        from tasks.download import download_model
+        print(json.dumps(download_model.fn("hf://{HF_REPO}")))
+        print(json.dumps(download_model.fn("hf://{HF_REPO}@main")))
+    """)
+    assert r.returncode == 0, r.stderr[-3000:]
+    first, second = (json.loads(line) for line in r.stdout.strip().splitlines()[-2:])
+    path = Path(first["path"])
+    assert path.is_relative_to(hub_cache) and "snapshots" in path.parts
+    assert (path / "model.safetensors").read_bytes() == (dense_model_dir / "model.safetensors").read_bytes()
+    assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+    assert second["path"] == first["path"] and second["content_hash"] == first["content_hash"]
+
+
+def test_download_of_an_uncached_repo_offline_says_what_to_do(hub_cache):
+    r = run_offline(hub_cache, """
+        from tasks.download import download_model
+        download_model.fn("hf://vime-test/not-there")
+    """)
+    assert r.returncode != 0
+    assert "not in the local hub cache" in r.stderr and "HF_HUB_OFFLINE=1" in r.stderr
+
+
+@pytest.mark.parametrize("source, message", [
+    ("s3://bucket/model", "unknown model source scheme"),
+    ("/nonexistent/model/dir", "does not exist"),
+    ("builtin://no-such-model", "unknown builtin model"),
+    ("hf://just-a-name", "expected <org>/<name>"),
+])
+def test_bad_model_sources_fail_with_a_fix(source, message):
+    from vime_core.sources import SourceError, resolve_model
+
+    with pytest.raises(SourceError, match=message):
+        resolve_model(source)
+
+
+def test_local_dir_without_config_is_refused(tmp_path):
+    from vime_core.sources import SourceError, resolve_model
+
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(SourceError, match="no config.json"):
+        resolve_model(str(tmp_path))
+
+
+@pytest.fixture
+def registry(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    return uri, tmp_path
+
+
+def _logged_run(uri: str, root: Path, model_dir: Path):
+    from vime_core.tracking import MlflowRun
+
+    run = MlflowRun(uri, "registry-test", run_name="r", artifact_root=root / "artifacts")
+    path = run.log_dir(model_dir, "model")
+    return run, path
+
+
+def test_champion_moves_only_when_heldout_improves(registry, dense_model_dir):
+    from vime_core.tracking import register_model
+
+    uri, root = registry
+    metric = "eval/arith-heldout/pass@1"
+    outcomes = []
+    for value in (0.30, 0.20, 0.40):
+        run, path = _logged_run(uri, root, dense_model_dir)
+        outcomes.append(register_model(uri, "vime-test", run.run_id, path, metric, value))
+    assert [o["version"] for o in outcomes] == [1, 2, 3]
+    assert [o["promoted"] for o in outcomes] == [True, False, True]
+    assert "does not beat champion version 1" in outcomes[1]["reason"]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    assert str(client.get_model_version_by_alias("vime-test", "champion").version) == "3"
+    assert client.get_model_version("vime-test", "2").tags["vime.promotion"] == outcomes[1]["reason"]
+
+
+def test_mlflow_source_downloads_the_champion_and_names_missing_aliases(registry, dense_model_dir, monkeypatch, tmp_path):
+    from vime_core.sources import SourceError, resolve_model
+    from vime_core.tracking import register_model
+
+    uri, root = registry
+    run, path = _logged_run(uri, root, dense_model_dir)
+    register_model(uri, "vime-test", run.run_id, path, "eval/x/pass@1", 0.5)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("VIME_CACHE_DIR", str(tmp_path / "cache"))
+    got = resolve_model("mlflow://models:/vime-test@champion")
+    assert (got.path / "model.safetensors").read_bytes() == (dense_model_dir / "model.safetensors").read_bytes()
+    with pytest.raises(SourceError, match="no model models:/vime-test@nightly-best"):
+        resolve_model("mlflow://models:/vime-test@nightly-best")
+
+
+def test_unreachable_tracking_server_fails_fast_and_touches_nothing(tmp_path):
+    import socket
+    import time
+
+    from tasks.tracking import start_tracking
+    from tests.conftest import tiny_config
+    from vime_core.tracking import TrackingError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    cfg = tiny_config(tmp_path / "run", f"tracking.uri=http://127.0.0.1:{port}")
+    cfg.save_dir.mkdir(parents=True)
+    (cfg.save_dir / "latest").write_text("iter_0000003")
+    before = sorted(p.name for p in cfg.save_dir.iterdir())
+    t0 = time.time()
+    with pytest.raises(TrackingError, match=rf"127\.0\.0\.1:{port} cannot be reached"):
+        start_tracking.fn(cfg.model_dump(mode="json"), {"source": "builtin://x", "content_hash": "h"})
+    assert time.time() - t0 < 60
+    assert sorted(p.name for p in cfg.save_dir.iterdir()) == before
+    assert (cfg.save_dir / "latest").read_text() == "iter_0000003"
+
+
+def test_params_never_carry_secrets():
+    from vime_core.tracking import safe_params
+
+    got = safe_params({"tracking.hf_token": "hf_abc", "tracking.api_key": "k", "train.lr": 1e-6, "model.source": "x"})
+    assert got["tracking.hf_token"] == "***" and got["tracking.api_key"] == "***"
+    assert got["train.lr"] == "1e-06" and got["model.source"] == "x"
+
+
+def test_mlflow_metric_names_keep_vime_names_readable():
+    from vime_core.tracking import mlflow_key
+
+    assert mlflow_key("eval/arith/pass@1") == "eval/arith/pass_at_1"
+    assert mlflow_key("rollout/raw_reward") == "rollout/raw_reward"
