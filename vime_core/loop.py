@@ -107,6 +107,7 @@ def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
         return None, None
     state = Checkpointer.read_state(latest)
     check_resumable(state, cfg)
+    log.info("resuming from %s at rollout %d", latest, state["rollout_id"] + 1)
     return latest, state
 
 
