@@ -151,13 +151,16 @@ def convert_hf_to_megatron(
     dtype: Dtype = typer.Option(Dtype.float32, "--dtype", help="Parameter dtype of the checkpoint."),
 ) -> None:
     """HF checkpoint -> Megatron torch_dist (skipped when DST already holds a conversion of the same source)."""
-    from vime_core.checkpoint import convert_hf_to_torch_dist
+    from vime_core.checkpoint import convert_hf_to_torch_dist, converted_meta
     from vime_core.sources import resolve_model
 
     with _conversion_errors():
         model = resolve_model(src)
+        before = converted_meta(dst) or {}
+        skipped = before.get("source_hash") == model.content_hash and before.get("dtype") == dtype.value
         out = convert_hf_to_torch_dist(model.path, dst, tp=tp, pp=pp, ep=ep, dtype=dtype.value, source_hash=model.content_hash)
-    console.print(f"torch_dist checkpoint of {src} ({dtype.value}): {out}", highlight=False)
+    note = " (already converted from the same source: skipped)" if skipped else ""
+    console.print(f"torch_dist checkpoint of {src} ({dtype.value}): {out}{note}", highlight=False, soft_wrap=True)
 
 
 @convert_app.command("megatron-to-hf")
@@ -172,7 +175,7 @@ def convert_megatron_to_hf(
 
     with _conversion_errors():
         out = convert_torch_dist_to_hf(src, dst, hf_config_dir=hf_config, dtype=dtype.value if dtype else None)
-    console.print(f"HF checkpoint: {out}", highlight=False)
+    console.print(f"HF checkpoint: {out}", highlight=False, soft_wrap=True)
 
 
 def main() -> None:  # pragma: no cover

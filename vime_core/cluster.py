@@ -75,10 +75,14 @@ def _write_ray_bootstrap_config() -> None:
 @dataclass
 class Placement:
     pg: Any
-    trainer_bundles: list[int]
-    engine_bundles: list[int]
+    trainer_bundles: list[int]  # bundle of each trainer rank
+    engine_bundles: list[list[int]]  # bundles of each engine (engine_tensor_parallel_size of them)
     gpu: bool
     colocate: bool
+    bundle_devices: list[str]  # the GPU id Ray gave each bundle ("" on CPU)
+
+    def devices(self, bundles: list[int]) -> list[int]:
+        return [int(self.bundle_devices[b]) for b in bundles] if self.gpu else []
 
 
 def make_placement(cfg: RunConfig, platform: str, engines_only: bool = False) -> Placement:
@@ -88,17 +92,12 @@ def make_placement(cfg: RunConfig, platform: str, engines_only: bool = False) ->
 
     gpu = platform != "cpu"
     n_train, n_roll = (0 if engines_only else cfg.train.num_devices), cfg.rollout_devices
-    if gpu:
-        unit = {"GPU": 1, "CPU": 1}
-    else:
-        unit = {"CPU": 1}
-    if cfg.cluster.colocate and not engines_only:
-        bundles = [dict(unit) for _ in range(n_train)]
-        trainer_b, engine_b = list(range(n_train)), list(range(0, n_roll, cfg.rollout.engine_tensor_parallel_size))
-    else:
-        bundles = [dict(unit) for _ in range(n_train + n_roll)]
-        trainer_b = list(range(n_train))
-        engine_b = list(range(n_train, n_train + n_roll, cfg.rollout.engine_tensor_parallel_size))
+    tp = cfg.rollout.engine_tensor_parallel_size
+    unit = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+    colocate = cfg.cluster.colocate and not engines_only
+    first_engine_bundle = 0 if colocate else n_train
+    bundles = [dict(unit) for _ in range(n_train if colocate else n_train + n_roll)]
+    engine_b = [list(range(first_engine_bundle + e * tp, first_engine_bundle + (e + 1) * tp)) for e in range(cfg.rollout.num_engines)]
     pg = placement_group(bundles, strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
@@ -106,7 +105,22 @@ def make_placement(cfg: RunConfig, platform: str, engines_only: bool = False) ->
             f"Ray could not place {len(bundles)} bundle(s) of {unit} within {PLACEMENT_TIMEOUT_S}s; "
             f"cluster resources: {ray.cluster_resources()}. Lower train.num_devices / rollout.num_engines or add nodes."
         )
-    return Placement(pg, trainer_b, engine_b, gpu, cfg.cluster.colocate and not engines_only)
+    p = Placement(pg, list(range(n_train)), engine_b, gpu, colocate, [""] * len(bundles))
+    if gpu:
+        p.bundle_devices = _bundle_gpus(p, len(bundles))
+    return p
+
+
+def _bundle_gpus(p: Placement, n: int) -> list[str]:
+    """Which GPU each bundle holds, asked of a tiny task placed in it: actors get that id as their visible device
+    (Ray is told not to rewrite visibility), which also lets an engine span the GPUs of several bundles."""
+    import ray
+
+    @ray.remote(num_cpus=0, num_gpus=0.01)
+    def gpu_id() -> str:
+        return str(ray.get_gpu_ids()[0])
+
+    return ray.get([gpu_id.options(scheduling_strategy=_strategy(p, b)).remote() for b in range(n)])
 
 
 def _strategy(p: Placement, bundle: int):
@@ -115,20 +129,18 @@ def _strategy(p: Placement, bundle: int):
     return PlacementGroupSchedulingStrategy(placement_group=p.pg, placement_group_bundle_index=bundle)
 
 
-def _actor_env(platform: str) -> dict[str, str]:
-    env = worker_env(platform, None)
+def _actor_env(platform: str, device_ids: list[int]) -> dict[str, str]:
+    env = worker_env(platform, device_ids)  # visible devices + Ray's NOSET variables + offline variables
     # megatron, vLLM and torch warn on every import about optional packages absent here; keep actor logs readable
     env.setdefault("PYTHONWARNINGS", os.environ.get("VIME_ACTOR_WARNINGS", "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning"))
-    env.pop("CUDA_VISIBLE_DEVICES", None)  # on GPU each actor picks its device from ray.get_gpu_ids()
     if platform == "cpu":
         # Ray sets OMP_NUM_THREADS=1 for 1-CPU actors; trainer and engines take turns, so each may use every core
         env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
-        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
 def _share(p: Placement) -> float:
-    """GPU fraction per actor: whole devices when disaggregated, shared when colocated."""
+    """GPU fraction per actor (Ray's accounting): whole devices when disaggregated, shared when colocated."""
     return (0.45 if p.colocate else 1.0) if p.gpu else 0.0
 
 
@@ -140,7 +152,7 @@ def create_engines(cfg: RunConfig, p: Placement, platform: str, model_path: str)
 
     max_len = cfg.data.max_prompt_len + max(cfg.rollout.max_response_len, cfg.eval.max_response_len or 0)
     engines = []
-    for i, bundle in enumerate(p.engine_bundles):
+    for i, bundles in enumerate(p.engine_bundles):
         opts = EngineOptions(
             model_path=model_path,
             dtype=cfg.model.engine_dtype,
@@ -152,13 +164,13 @@ def create_engines(cfg: RunConfig, p: Placement, platform: str, model_path: str)
             cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
             enforce_eager=cfg.rollout.enforce_eager,
             custom_generate=cfg.rollout.custom_generate,
+            sleep_mode=p.colocate and p.gpu,
         )
         actor = ray.remote(VLLMEngine).options(
-            num_cpus=0 if p.colocate else 1 if not p.gpu else 1,
+            num_cpus=0 if p.colocate else 1,
             num_gpus=_share(p),
-            scheduling_strategy=_strategy(p, bundle),
-            runtime_env={"env_vars": _actor_env(platform)},
-            name=None,
+            scheduling_strategy=_strategy(p, bundles[0]),
+            runtime_env={"env_vars": _actor_env(platform, p.devices(bundles))},
         ).remote(opts)
         engines.append(actor)
     return engines
@@ -192,7 +204,7 @@ def create_trainers(cfg: RunConfig, p: Placement, platform: str, model_dir: str,
             num_cpus=1,
             num_gpus=_share(p),
             scheduling_strategy=_strategy(p, bundle),
-            runtime_env={"env_vars": _actor_env(platform)},
+            runtime_env={"env_vars": _actor_env(platform, p.devices([bundle]))},
         ).remote(cfg, model_dir, rank, world, addr, port, platform, init_checkpoint)
         for rank, bundle in enumerate(p.trainer_bundles)
     ]

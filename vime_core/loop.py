@@ -143,7 +143,8 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
                                                None if state else (str(init_checkpoint) if init_checkpoint else None)), cfg)
         router = RolloutRouter(create_engines(cfg, placement, p.platform, str(p.model_dir)))
         wait_ready(trainer.actors, router.engines)
-        sync = WeightSync(trainer, router, resolve_strategy(cfg.sync.strategy, p.platform, cfg.cluster.colocate))
+        sync = WeightSync(trainer, router, resolve_strategy(cfg.sync.strategy, p.platform, cfg.cluster.colocate),
+                          cfg.sync.bucket_size_mb)
         buffer = DataBuffer(p.prompts, cfg.seed, cfg.data.shuffle)
         if state:
             trainer.load_checkpoint(str(resume_dir))
@@ -155,14 +156,22 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
             result.baseline_eval = evaluate(router, p.eval_sets, cfg, p.reward_model)
             sink.log_metrics(0, result.baseline_eval)
 
+        # colocated on GPUs: engines free their memory (KV cache, weights) while the trainer works
+        offload = placement.colocate and placement.gpu
         for rollout_id in range(start, cfg.rollout.num_rollout):
             t0 = time.perf_counter()
             groups, metrics, consumed = collect_rollout(rollout_id, cfg, buffer, router, p.reward_model)
             ledger.record(rollout_id, consumed)
+            if offload:
+                router.call_all("sleep", 1)
             t1 = time.perf_counter()
             metrics |= trainer.train(rollout_id, groups)
             metrics["perf/train_time"] = time.perf_counter() - t1
+            if offload:
+                router.call_all("wake_up", ["weights"])
             metrics["perf/update_weights_time"] = sync.push()
+            if offload:
+                router.call_all("wake_up", ["kv_cache"])
             metrics["perf/step_time"] = time.perf_counter() - t0
             done = rollout_id + 1
             if done == cfg.rollout.num_rollout or (cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0):
@@ -188,11 +197,17 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
 
 def save_checkpoint(ckpt, trainer, rollout_id: int, cfg: RunConfig, p: Prepared, buffer: DataBuffer,
                     metrics: dict[str, float], run_state: dict | None, baseline_eval: dict[str, float]) -> Path:
-    from vime_core.checkpoint import HF_CONFIG_DIR, _copy_hf_side_files
+    import json
+
+    from vime_core.checkpoint import HF_CONFIG_DIR, META_FILE, _copy_hf_side_files
 
     tmp = ckpt.begin(rollout_id)
     trainer.save_checkpoint(str(tmp))
     _copy_hf_side_files(p.model_dir, tmp / HF_CONFIG_DIR)
+    # what `vime convert megatron-to-hf` needs to export it in the dtype it was trained in
+    (tmp / META_FILE).write_text(json.dumps({"format": "torch_dist", "dtype": cfg.model.dtype, "source": str(p.model_dir),
+                                             "saved_layout": {"tp": cfg.train.tensor_parallel_size, "pp": 1,
+                                                              "ep": cfg.train.expert_parallel_size}}, indent=2))
     state = {
         "fingerprint": cfg.fingerprint(),
         "fingerprint_fields": cfg.fingerprint_fields(),

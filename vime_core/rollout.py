@@ -81,6 +81,7 @@ class EngineOptions:
     cpu_kv_cache_gib: float = 1.0
     enforce_eager: bool = False
     custom_generate: str | None = None
+    sleep_mode: bool = False  # colocated GPU engines release their memory while the trainer works
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -116,6 +117,7 @@ class VLLMEngine:
             kwargs["max_num_batched_tokens"] = max(8192, opts.max_model_len)
         else:
             kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = opts.sleep_mode
         kwargs.update(opts.extra)
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
@@ -159,13 +161,25 @@ class VLLMEngine:
 
     # -- weights --------------------------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: list[tuple[str, Any]]) -> int:
-        """Load full HF-named tensors in place, then drop the prefix cache (its KV came from the old weights)."""
-        n = self.llm.collective_rpc("vime_load_weights", args=(named_tensors,))[0]
-        self.reset_prefix_cache()
-        return n
+        """Load full HF-named tensors in place (the caller then drops the prefix cache: see sync.WeightSync)."""
+        return self.llm.collective_rpc("vime_load_weights", args=(named_tensors,))[0]
+
+    def load_weights_ipc(self, handles_by_uuid: dict[str, Any], layout: list) -> int:
+        return self.llm.collective_rpc("vime_load_from_ipc", args=(handles_by_uuid, layout))[0]
+
+    def init_weight_group(self, address: str, port: int, rank_offset: int, world_size: int) -> None:
+        self.llm.collective_rpc("vime_init_nccl", args=(address, port, rank_offset, world_size))
+
+    def load_weights_nccl(self, layout: list, nbytes: int) -> int:
+        return self.llm.collective_rpc("vime_load_from_nccl", args=(layout, nbytes))[0]
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         return self.llm.collective_rpc(method, args=args)
+
+    def info(self) -> dict[str, Any]:
+        import resource
+
+        return {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "start_seconds": self.start_seconds}
 
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():

@@ -30,10 +30,17 @@ class VLLMWorkerExtension:
     """Methods added to vLLM's worker. `self` is the worker (has `model_runner`, `device`, `reload_weights`)."""
 
     def vime_load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Reload HF-named full tensors in place. Returns how many were given."""
+        """Load HF-named full tensors in place. Returns how many were given.
+
+        CPU: vLLM's in-place `reload_weights` (linear weights are repacked for oneDNN, so a plain `load_weights`
+        would write into the wrong layout); it expects the whole model in one call. GPU: the model's own
+        `load_weights`, which takes any subset, so weights can arrive bucket by bucket."""
         items = list(named_tensors)
-        self.reload_weights(weights_iterator=iter(items))
-        self.vime_repack_cpu_moe()
+        if self.device.type == "cpu":
+            self.reload_weights(weights_iterator=iter(items))
+            self.vime_repack_cpu_moe()
+        else:
+            self.model_runner.model.load_weights(weights=items)
         return len(items)
 
     def vime_repack_cpu_moe(self) -> int:
@@ -60,19 +67,18 @@ class VLLMWorkerExtension:
         """Open the packed bucket that lives on this worker's device and load the tensors it holds.
 
         `layout`: (name, shape, dtype, byte offset) of every tensor in the bucket."""
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
         uuid = self.vime_device_uuid()
         if uuid not in handles_by_uuid:
             raise RuntimeError(f"no IPC handle for this worker's device {uuid}; have {sorted(handles_by_uuid)}")
         func, args = handles_by_uuid[uuid]
         args = list(args)
         args[6] = self.device.index  # the handle names the sender's device index; open it on ours
-        bucket = func(*args) if func is not rebuild_cuda_tensor else rebuild_cuda_tensor(*args)
+        bucket = func(*args)
         tensors = [(name, _view(bucket, shape, dtype, offset)) for name, shape, dtype, offset in layout]
-        self.reload_weights(weights_iterator=iter(tensors))
+        n = self.vime_load_weights(tensors)
         torch.cuda.synchronize(self.device)
-        return len(tensors)
+        del tensors, bucket  # the sender frees its buffer once every engine returned
+        return n
 
     # -- disaggregated: NCCL broadcast ----------------------------------------------------------------------------------
     def vime_init_nccl(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
@@ -88,8 +94,7 @@ class VLLMWorkerExtension:
         self._vime_nccl.broadcast(bucket, src=0, stream=torch.cuda.current_stream())
         torch.cuda.synchronize(self.device)
         tensors = [(name, _view(bucket, shape, dtype, offset)) for name, shape, dtype, offset in layout]
-        self.reload_weights(weights_iterator=iter(tensors))
-        return len(tensors)
+        return self.vime_load_weights(tensors)
 
     def _vime_local_rank(self) -> int:
         return int(getattr(self, "rank", 0))
@@ -144,19 +149,21 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterab
 class WeightSync:
     """Push the trainer's current weights to every engine. Returns seconds spent (perf/update_weights_time)."""
 
-    def __init__(self, trainer_group, router, strategy: str):
+    def __init__(self, trainer_group, router, strategy: str, bucket_size_mb: int = 512):
         self.trainer, self.router, self.strategy = trainer_group, router, strategy
+        self.bucket_bytes = bucket_size_mb * 2**20
 
     def push(self) -> float:
         t0 = time.perf_counter()
         if self.strategy == "cpu":
             self._push_cpu()
         elif self.strategy == "cuda_ipc":
-            self.trainer.push_weights_ipc(self.router)
+            self.trainer.push_weights_ipc(self.router, self.bucket_bytes)
         elif self.strategy == "nccl":
-            self.trainer.push_weights_nccl(self.router)
+            self.trainer.push_weights_nccl(self.router, self.bucket_bytes)
         else:
             raise ValueError(f"unknown sync strategy {self.strategy!r}")
+        self.router.call_all("reset_prefix_cache")  # never serve KV computed with the old weights
         return time.perf_counter() - t0
 
     def _push_cpu(self) -> None:

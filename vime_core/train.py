@@ -115,7 +115,7 @@ class Trainer:
             torch.set_num_threads(cfg.train.cpu_threads or os.cpu_count() or 1)
             self.device = torch.device("cpu")
         else:
-            self.device = torch.device("cuda", _pick_local_gpu())
+            self.device = torch.device("cuda", 0)  # the actor sees exactly its own GPU (cluster._actor_env)
             torch.cuda.set_device(self.device)
         self._init_parallel(master_addr, master_port)
         self._build(model_dir, init_checkpoint)
@@ -164,8 +164,8 @@ class Trainer:
             on_cpu=self.platform == "cpu",
         )
         full = hf_to_mcore(load_hf_state_dict(model_dir), self.arch)
-        self.model = mm.build_gpt(self.arch, self.tf_config).to(self.device)
-        mm.load_full_weights(self.model, full, self.arch)
+        self.module = mm.build_gpt(self.arch, self.tf_config).to(self.device)  # the GPTModel itself
+        mm.load_full_weights(self.module, full, self.arch)
         if init_checkpoint:
             self._load_model(Path(init_checkpoint))
         self.ref_model = None
@@ -178,19 +178,63 @@ class Trainer:
         self.step = 0  # optimizer steps taken; the LR schedule is a function of it
 
     def _make_optimizer(self):
+        """torch AdamW (params in cfg.model.dtype), or megatron-core's optimizer with fp32 main params and its
+        DDP gradient buffers (`self.model` is then the DDP wrapper; `self.module` stays the GPTModel)."""
         t = self.cfg.train
         kind = t.optimizer
         if kind == "auto":
-            kind = "adamw" if self.platform == "cpu" else "adamw"
+            kind = "adamw" if self.platform == "cpu" else "megatron"
+        self.optimizer_kind = kind
         if kind == "megatron":
-            raise NotImplementedError("train.optimizer = megatron is not wired yet; use adamw")
+            if self.platform == "cpu":
+                raise ValueError("train.optimizer = megatron needs a GPU (megatron-core's optimizer is CUDA-only); use adamw")
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            distributed = t.data_parallel_size > 1
+            self.model = DistributedDataParallel(
+                self.tf_config,
+                DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed),
+                module=self.module,
+            )
+            return get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+                    adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
+                    bf16=self.cfg.model.dtype == "bfloat16", params_dtype=self.tf_config.params_dtype,
+                    use_distributed_optimizer=distributed,
+                ),
+                [self.model],
+            )
+        self.model = self.module
         decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
+        for p in self.module.parameters():
             (no_decay if p.ndim < 2 else decay).append(p)
         return torch.optim.AdamW(
             [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
         )
+
+    def _zero_grad(self) -> None:
+        if self.optimizer_kind == "megatron":
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _apply_step(self, lr: float) -> float:
+        """Reduce, clip and apply the accumulated gradients at learning rate `lr`; returns the global grad norm."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.optimizer_kind == "megatron":
+            self.model.finish_grad_sync()  # all-reduce (or reduce-scatter) over data-parallel ranks
+            ok, grad_norm, _ = self.optimizer.step()  # clips by the global norm itself
+            if not ok:
+                raise RuntimeError("megatron optimizer step failed (non-finite gradients)")
+            return float(grad_norm)
+        grad_norm = self._sync_and_clip_grads()
+        self.optimizer.step()
+        return grad_norm
 
     # -- forward ------------------------------------------------------------------------------------------------------
     def _forward(self, model, batch: list[TrainSample], with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -266,7 +310,7 @@ class Trainer:
             denom = float(self._sum_over_dp(sum(sum(s.loss_mask) for s in samples)))
         sums = {k: 0.0 for k in ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss", "kl_loss", "tis", "tis_clipfrac")}
         token_count = 0
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         for mb in pack_micro_batches([len(s.tokens) for s in samples], self.cfg.train.max_tokens_per_device):
             batch = [samples[i] for i in mb]
             logp, ent, sid = self._forward(self.model, batch, with_entropy=True)
@@ -300,11 +344,8 @@ class Trainer:
                 if kl is not None:
                     sums["kl_loss"] += float((kl * mask).sum())
                 sums["loss"] += float(loss) * denom
-        grad_norm = self._sync_and_clip_grads()
         lr = lr_at(self.step, self.cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        grad_norm = self._apply_step(lr)
         self.step += 1
         out = {f"train/{k}": v / max(1, token_count) for k, v in sums.items() if k != "loss"}
         out["train/loss"] = sums["loss"] / denom
@@ -319,7 +360,7 @@ class Trainer:
     def _sync_and_clip_grads(self) -> float:
         """Sum gradients over data-parallel ranks, compute the global norm (TP/EP-aware), clip. Returns the norm."""
         ps = self.ps
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.module.parameters() if p.grad is not None]
         dense = [p for p in params if getattr(p, "allreduce", True)]
         expert = [p for p in params if not getattr(p, "allreduce", True)]
         if ps.get_data_parallel_world_size() > 1:
@@ -375,9 +416,9 @@ class Trainer:
 
         from vime_core.checkpoint import check_torch_dist_matches
 
-        check_torch_dist_matches(path, self.model)
-        state = dist_checkpointing.load(self.model.sharded_state_dict(), str(path))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        check_torch_dist_matches(path, self.module)
+        state = dist_checkpointing.load(self.module.sharded_state_dict(), str(path))
+        missing, unexpected = self.module.load_state_dict(state, strict=False)
         missing = [m for m in missing if not m.endswith("_extra_state")]
         if missing or unexpected:
             raise RuntimeError(f"torch_dist checkpoint {path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -394,8 +435,11 @@ class Trainer:
             for sub in ("model", "optimizer", "rng"):
                 (d / sub).mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(self.model.sharded_state_dict(), str(d / "model"))
+        dist_checkpointing.save(self.module.sharded_state_dict(), str(d / "model"))
         name = f"rank_{self.rank:05d}.pt"
+        if self.cfg.checkpoint.save_optimizer and self.optimizer_kind == "megatron" and self.cfg.train.data_parallel_size > 1:
+            raise NotImplementedError("saving megatron's distributed optimizer (data parallel > 1) is not implemented; "
+                                      "set train.optimizer=adamw or checkpoint.save_optimizer=false")
         if self.cfg.checkpoint.save_optimizer:
             torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step}, d / "optimizer" / name)
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
@@ -433,42 +477,96 @@ class Trainer:
         from vime_core.qwen3_mapping import mcore_param_to_hf
 
         out = []
-        for name, full in iter_full_weights(self.model, self.arch):
+        for name, full in iter_full_weights(self.module, self.arch):
             if self.rank == 0:
                 out += [(k, v.detach().to("cpu", copy=True).contiguous()) for k, v in mcore_param_to_hf(name, full, self.arch)]
         return out if self.rank == 0 else None
 
+    # -- bucketed export for the GPU sync strategies (collective over trainer ranks, called in lockstep) ------------
+    def begin_weight_export(self, bucket_bytes: int) -> None:
+        from vime_core.megatron_model import iter_full_weights
+        from vime_core.qwen3_mapping import mcore_param_to_hf
+
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.cfg.model.engine_dtype]
+        named = ((k, v.to(dtype)) for name, full in iter_full_weights(self.module, self.arch)
+                 for k, v in mcore_param_to_hf(name, full, self.arch))
+        from vime_core.sync import buckets
+
+        self._export = buckets(named, bucket_bytes)
+        self._bucket = None
+
+    def _next_bucket(self):
+        from vime_core.sync import pack_bucket
+
+        self._bucket = None  # the engines loaded the previous one
+        part = next(self._export, None)
+        if part is None:
+            return None
+        self._bucket, layout = pack_bucket(part, self.device)
+        return layout
+
+    def next_ipc_bucket(self):
+        """Pack the next bucket on this rank's GPU; -> (device UUID, CUDA IPC handle, layout) or None when done."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        from vime_core.platform import current_device_uuid
+
+        layout = self._next_bucket()
+        if layout is None:
+            return None
+        torch.cuda.synchronize(self.device)
+        return current_device_uuid(self.platform), reduce_tensor(self._bucket), layout
+
+    def free_address(self) -> tuple[str, int]:
+        import socket
+
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((ip, 0))
+            return ip, s.getsockname()[1]
+
+    def init_weight_group(self, address: str, port: int, world_size: int) -> None:
+        """Rank 0 joins the NCCL group it shares with every engine worker (vLLM's stateless group)."""
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+
+        group = StatelessProcessGroup.create(host=address, port=port, rank=0, world_size=world_size)
+        self._weight_comm = PyNcclCommunicator(group, device=self.device)
+
+    def next_nccl_bucket(self):
+        """Pack the next bucket; -> (layout, nbytes) or None. Rank 0 then broadcasts it (`broadcast_bucket`)."""
+        layout = self._next_bucket()
+        return None if layout is None else (layout, self._bucket.numel())
+
+    def broadcast_bucket(self) -> None:
+        self._weight_comm.broadcast(self._bucket, src=0, stream=torch.cuda.current_stream())
+        torch.cuda.synchronize(self.device)
+
+    def end_weight_export(self) -> None:
+        self._export, self._bucket = None, None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def weights_checksum(self) -> float:
         """Sum of |w| over this rank's parameters (tests use it to see that weights changed)."""
-        return float(sum(p.detach().float().abs().sum() for p in self.model.parameters()))
+        return float(sum(p.detach().float().abs().sum() for p in self.module.parameters()))
 
     def info(self) -> dict[str, Any]:
         return {
             "rank": self.rank,
-            "params": sum(p.numel() for p in self.model.parameters()),
+            "params": sum(p.numel() for p in self.module.parameters()),
             "step": self.step,
             "device": str(self.device),
             "max_rss_gib": _max_rss_gib(),
+            "max_gpu_mem_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0,
         }
 
     def shutdown(self) -> None:
         if dist.is_initialized():
             self.ps.destroy_model_parallel()
             dist.destroy_process_group()
-
-
-def _pick_local_gpu() -> int:
-    """The local index of the GPU Ray gave this actor (visibility is not rewritten: NOSET variables are set)."""
-    import ray
-
-    ids = [str(i) for i in ray.get_gpu_ids()]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES") or os.environ.get("HIP_VISIBLE_DEVICES")
-    if not ids:
-        return 0
-    if visible:
-        order = visible.split(",")
-        return order.index(ids[0]) if ids[0] in order else 0
-    return int(ids[0])
 
 
 def _mean(xs: list[float]) -> float:
@@ -535,6 +633,44 @@ class TrainerGroup:
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
         self._all("save_checkpoint", ckpt_dir)
+
+    def push_weights_ipc(self, router, bucket_bytes: int) -> None:
+        """Colocated: every rank packs each bucket on its GPU; every engine worker opens the handle of its device."""
+        import ray
+
+        self._all("begin_weight_export", bucket_bytes)
+        try:
+            while True:
+                parts = self._all("next_ipc_bucket")
+                if parts[0] is None:
+                    break
+                handles = {uuid: handle for uuid, handle, _ in parts}
+                ray.get([e.load_weights_ipc.remote(handles, parts[0][2]) for e in router.engines])
+        finally:
+            self._all("end_weight_export")
+
+    def push_weights_nccl(self, router, bucket_bytes: int) -> None:
+        """Disaggregated: trainer rank 0 broadcasts each bucket to every engine worker over NCCL."""
+        import ray
+
+        if not getattr(self, "_nccl_ready", False):
+            address, port = ray.get(self.actors[0].free_address.remote())
+            tp = self.cfg.rollout.engine_tensor_parallel_size
+            world = 1 + tp * len(router.engines)
+            ray.get([self.actors[0].init_weight_group.remote(address, port, world)]
+                    + [e.init_weight_group.remote(address, port, 1 + i * tp, world) for i, e in enumerate(router.engines)])
+            self._nccl_ready = True
+        self._all("begin_weight_export", bucket_bytes)
+        try:
+            while True:
+                parts = self._all("next_nccl_bucket")
+                if parts[0] is None:
+                    break
+                layout, nbytes = parts[0]
+                ray.get([self.actors[0].broadcast_bucket.remote()]
+                        + [e.load_weights_nccl.remote(layout, nbytes) for e in router.engines])
+        finally:
+            self._all("end_weight_export")
 
     def load_checkpoint(self, ckpt_dir: str) -> int:
         return self._all("load_checkpoint", ckpt_dir)[0]
