@@ -7,8 +7,9 @@ Cases (each a full `vime_core.loop.run` with real vLLM (CUDA), megatron-core and
   ipc-bf16          colocated on 1 GPU, CUDA-IPC sync, bfloat16, megatron optimizer
   moe-ipc-bf16      the MoE builtin, same as ipc-bf16
   nccl-bf16         disaggregated on 2 GPUs (trainer GPU0, engine GPU1), NCCL broadcast sync
-  perf-0.6b         a Qwen3-0.6B-shaped random model (tied embeddings), colocated; then the same sync with
-                    one-tensor buckets (the per-tensor baseline) in the same process: prints the ratio
+  perf-0.6b         a Qwen3-0.6B-shaped random model (tied embeddings), colocated, CUDA-IPC in 512 MiB buckets
+  perf-0.6b-pertensor  the same with 1 MiB buckets (about one tensor a bucket: the per-tensor baseline); with
+                    both in one invocation the script prints the sync-time ratio
   perf-0.6b-nccl    the same model disaggregated on 2 GPUs
 Writes OUT_DIR/<case>.json and prints one summary line per case.
 """
@@ -40,9 +41,10 @@ CASES: dict[str, list[str]] = {
 }
 PERF = ["model.dtype=bfloat16", "train.optimizer=megatron", "rollout.num_rollout=3", "rollout.rollout_batch_size=32",
         "rollout.n_samples_per_prompt=8", "rollout.max_response_len=512", "train.global_batch_size=256",
-        "train.max_tokens_per_device=32768", "train.lr=1e-6", "eval.datasets=[]", "rollout.enforce_eager=false",
+        "train.max_tokens_per_device=8192", "train.lr=1e-6", "eval.datasets=[]", "rollout.enforce_eager=false",
         "rollout.gpu_memory_utilization=0.35", "data.max_prompt_len=128"]
 CASES["perf-0.6b"] = PERF + ["cluster.colocate=true"]
+CASES["perf-0.6b-pertensor"] = PERF + ["cluster.colocate=true", "sync.bucket_size_mb=1"]  # baseline: ~one tensor a bucket
 CASES["perf-0.6b-nccl"] = PERF + ["cluster.colocate=false"]
 
 

@@ -174,12 +174,20 @@ def raise_fd_limit(gpu: bool) -> int:
 _SHIMS_APPLIED = False
 
 
+def apply_megatron_compat() -> None:
+    """Every platform: megatron-core 0.16.1's `moe_utils` refers to `te_general_gemm`, undefined without
+    Transformer Engine (NameError in the first MoE forward)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def apply_megatron_cpu_shims() -> None:
     """Make megatron-core 0.16.1 run on CPU. Call once per process, only on the cpu platform.
 
     - modules allocate with `device=torch.cuda.current_device()` (rotary `inv_freq` among them): answer "cpu";
     - checkpoint save and DDP call `torch.cuda.synchronize()` / `empty_cache()` unconditionally: make them no-ops;
-    - `moe_utils` refers to `te_general_gemm`, undefined without Transformer Engine;
     - the default causal mask is built on `cuda`: we always pass an explicit mask, and patch the helper too.
     RNG: seed with `model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)` (see train).
     """
@@ -193,9 +201,7 @@ def apply_megatron_cpu_shims() -> None:
     torch.cuda.empty_cache = lambda *a, **k: None  # type: ignore[assignment]
 
     import megatron.core.fusions.fused_softmax as fused_softmax
-    import megatron.core.transformer.moe.moe_utils as moe_utils
 
     fused_softmax.get_default_causal_mask = lambda sq: torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    apply_megatron_compat()
     _SHIMS_APPLIED = True

@@ -70,7 +70,9 @@ class VLLMWorkerExtension:
         uuid = self.vime_device_uuid()
         if uuid not in handles_by_uuid:
             raise RuntimeError(f"no IPC handle for this worker's device {uuid}; have {sorted(handles_by_uuid)}")
-        func, args = handles_by_uuid[uuid]
+        import pickle
+
+        func, args = pickle.loads(handles_by_uuid[uuid])  # our own trainer's handle (see Trainer.next_ipc_bucket)
         args = list(args)
         args[6] = self.device.index  # the handle names the sender's device index; open it on ours
         bucket = func(*args)

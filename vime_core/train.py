@@ -106,9 +106,10 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, model_dir: str, rank: int, world_size: int, master_addr: str, master_port: int, platform: str,
                  init_checkpoint: str | None = None):
-        from vime_core.platform import apply_megatron_cpu_shims, apply_offline_env
+        from vime_core.platform import apply_megatron_compat, apply_megatron_cpu_shims, apply_offline_env
 
         apply_offline_env()
+        apply_megatron_compat()
         self.cfg, self.rank, self.world_size, self.platform = cfg, rank, world_size, platform
         if platform == "cpu":
             apply_megatron_cpu_shims()
@@ -511,11 +512,14 @@ class Trainer:
 
         from vime_core.platform import current_device_uuid
 
+        import pickle
+
         layout = self._next_bucket()
         if layout is None:
             return None
         torch.cuda.synchronize(self.device)
-        return current_device_uuid(self.platform), reduce_tensor(self._bucket), layout
+        # vLLM's msgpack channel to its engine core refuses the rebuild function inside a handle: send it pickled
+        return current_device_uuid(self.platform), pickle.dumps(reduce_tensor(self._bucket)), layout
 
     def free_address(self) -> tuple[str, int]:
         import socket
