@@ -152,3 +152,21 @@ def test_mlflow_holds_the_run(deployed_run):
     assert champion.version == versions[0].version
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"config.yaml", "model", "checkpoints.json"} <= artifacts, artifacts
+
+
+def test_notebook_compares_the_runs(deployed_run, tmp_path, monkeypatch):
+    """notebooks/compare_runs.ipynb executes against the store the deployment filled and draws its figure."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    out = deployed_run["out"]
+    monkeypatch.setenv("VIME_MLFLOW_URI", f"sqlite:///{out / 'mlflow.db'}")
+    monkeypatch.setenv("VIME_EXPERIMENT", "tiny-cpu")
+    monkeypatch.setenv("VIME_NOTEBOOK_OUT", str(tmp_path))
+    nb = nbformat.read(REPO / "notebooks" / "compare_runs.ipynb", as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
+    figure = tmp_path / "compare_tiny-cpu.png"
+    assert figure.is_file() and figure.stat().st_size > 10_000
+    text = "\n".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for c in nb.cells if c.cell_type == "code"
+                     for o in c.get("outputs", []))
+    assert "rollout/raw_reward" in text and f"'rollout/raw_reward': {STEPS}" in text  # every step's point was read

@@ -144,7 +144,7 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
         router = RolloutRouter(create_engines(cfg, placement, p.platform, str(p.model_dir)))
         wait_ready(trainer.actors, router.engines)
         sync = WeightSync(trainer, router, resolve_strategy(cfg.sync.strategy, p.platform, cfg.cluster.colocate),
-                          cfg.sync.bucket_size_mb)
+                          cfg.sync.bucket_size_mb, engines_sleep=placement.colocate and placement.gpu)
         buffer = DataBuffer(p.prompts, cfg.seed, cfg.data.shuffle)
         if state:
             trainer.load_checkpoint(str(resume_dir))
@@ -156,25 +156,18 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
             result.baseline_eval = evaluate(router, p.eval_sets, cfg, p.reward_model)
             sink.log_metrics(0, result.baseline_eval)
 
-        # colocated on GPUs: engines free their memory (KV cache, weights) while the trainer works
-        offload = placement.colocate and placement.gpu
         for rollout_id in range(start, cfg.rollout.num_rollout):
             t0 = time.perf_counter()
             groups, metrics, consumed = collect_rollout(rollout_id, cfg, buffer, router, p.reward_model)
             ledger.record(rollout_id, consumed)
-            if offload:
-                router.call_all("sleep", 1)
+            sync.release_engines()  # colocated GPUs: vLLM frees its memory while the trainer works
             t1 = time.perf_counter()
             metrics |= trainer.train(rollout_id, groups)
             metrics["perf/train_time"] = time.perf_counter() - t1
-            if offload:
-                router.call_all("wake_up", ["weights"])
             metrics["perf/update_weights_time"] = sync.push()
-            if offload:
-                router.call_all("wake_up", ["kv_cache"])
             metrics["perf/step_time"] = time.perf_counter() - t0
             done = rollout_id + 1
-            if done == cfg.rollout.num_rollout or (cfg.checkpoint.save_interval and done % cfg.checkpoint.save_interval == 0):
+            if _due(done, cfg.checkpoint.save_interval, cfg.rollout.num_rollout):
                 t2 = time.perf_counter()
                 result.last_checkpoint = save_checkpoint(ckpt, trainer, rollout_id, cfg, p, buffer, metrics, run_state,
                                                          result.baseline_eval)
@@ -183,7 +176,7 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
             result.last_rollout_id, result.last_metrics = rollout_id, metrics
             if on_step:
                 on_step(rollout_id, metrics)
-            if p.eval_sets and (done == cfg.rollout.num_rollout or (cfg.eval.interval and done % cfg.eval.interval == 0)):
+            if p.eval_sets and _due(done, cfg.eval.interval, cfg.rollout.num_rollout):
                 result.final_eval = evaluate(router, p.eval_sets, cfg, p.reward_model)
                 sink.log_metrics(done, result.final_eval)
         result.weights_checksum = (checksum_start, trainer.weights_checksum())
@@ -193,6 +186,11 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
         if trainer is not None:
             trainer.shutdown()
         shutdown_ray()
+
+
+def _due(done: int, interval: int | None, total: int) -> bool:
+    """After `done` steps: every `interval` steps, and always after the last one."""
+    return done == total or bool(interval and done % interval == 0)
 
 
 def save_checkpoint(ckpt, trainer, rollout_id: int, cfg: RunConfig, p: Prepared, buffer: DataBuffer,

@@ -149,14 +149,26 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterab
 # driver side
 # --------------------------------------------------------------------------------------------------------------------
 class WeightSync:
-    """Push the trainer's current weights to every engine. Returns seconds spent (perf/update_weights_time)."""
+    """Push the trainer's current weights to every engine. With `engines_sleep` (colocated GPUs) the engines release
+    their memory while the trainer works (`release_engines`) and take it back around the push: weights first, then
+    the KV cache once the new weights are in."""
 
-    def __init__(self, trainer_group, router, strategy: str, bucket_size_mb: int = 512):
+    def __init__(self, trainer_group, router, strategy: str, bucket_size_mb: int = 512, engines_sleep: bool = False):
         self.trainer, self.router, self.strategy = trainer_group, router, strategy
         self.bucket_bytes = bucket_size_mb * 2**20
+        self.engines_sleep = engines_sleep
+        self._asleep = False
+
+    def release_engines(self) -> None:
+        if self.engines_sleep:
+            self.router.call_all("sleep", 1)
+            self._asleep = True
 
     def push(self) -> float:
+        """Returns seconds spent (perf/update_weights_time)."""
         t0 = time.perf_counter()
+        if self._asleep:
+            self.router.call_all("wake_up", ["weights"])
         if self.strategy == "cpu":
             self._push_cpu()
         elif self.strategy == "cuda_ipc":
@@ -165,6 +177,9 @@ class WeightSync:
             self.trainer.push_weights_nccl(self.router, self.bucket_bytes)
         else:
             raise ValueError(f"unknown sync strategy {self.strategy!r}")
+        if self._asleep:
+            self.router.call_all("wake_up", ["kv_cache"])
+            self._asleep = False
         self.router.call_all("reset_prefix_cache")  # never serve KV computed with the old weights
         return time.perf_counter() - t0
 
