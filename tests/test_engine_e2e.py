@@ -36,7 +36,9 @@ def moe_run(tmp_path_factory, moe_model_dir):
     from vime_core.loop import run
 
     out = tmp_path_factory.mktemp("moe")
-    cfg = tiny_config(out, "model.source=builtin://tiny-qwen3moe-arith", "rollout.num_rollout=3", "eval.datasets=[]")
+    # this run also goes through the custom generate hook (one policy turn + a masked "tool" token)
+    cfg = tiny_config(out, "model.source=builtin://tiny-qwen3moe-arith", "rollout.num_rollout=3", "eval.datasets=[]",
+                      "rollout.custom_generate=tests.helpers.custom_generate:with_tool_suffix")
     sink = MemorySink()
     return cfg, sink, run(cfg, sink)
 
@@ -68,8 +70,33 @@ def test_rollout_and_trainer_logprobs_agree_after_syncs(dense_run):
 
 def test_moe_logprobs_agree_after_syncs(moe_run):
     _, sink, result = moe_run
-    diffs = [r["train/train_rollout_logprob_abs_diff"] for r in step_rows(sink)]
+    rows = step_rows(sink)
+    diffs = [r["train/train_rollout_logprob_abs_diff"] for r in rows]
     assert len(diffs) == 3 and max(diffs) < 1e-3, diffs
+    start, end = result.weights_checksum
+    assert end != start
+    # the hook's extra token made every response one token longer than the policy's own turn
+    assert all(r["rollout/response_len/mean"] > 1 for r in rows)
+
+
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory, dense_model_dir):
+    from vime_core.loop import run
+
+    out = tmp_path_factory.mktemp("tp2")
+    cfg = tiny_config(out, "train.num_devices=2", "train.tensor_parallel_size=2", "rollout.num_rollout=2", "eval.datasets=[]")
+    sink = MemorySink()
+    return cfg, sink, run(cfg, sink)
+
+
+def test_tensor_parallel_trainer_matches_rollout(tp2_run):
+    """Two trainer ranks (gloo): vocab-parallel log-probs and entropy, TP-aware grad norm, and the weight export
+    that gathers shards. The rollout's log-probs of the synced weights must still agree."""
+    cfg, sink, result = tp2_run
+    rows = step_rows(sink)
+    assert len(result.trainer_info) == 2
+    assert max(r["train/train_rollout_logprob_abs_diff"] for r in rows) < 1e-3
+    assert all(r["train/grad_norm"] > 0 for r in rows)
     start, end = result.weights_checksum
     assert end != start
 

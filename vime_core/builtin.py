@@ -149,7 +149,7 @@ class ModelRecipe:
     moe_base: str | None = None
     num_experts: int = 4
     experts_per_token: int = 2
-    expert_noise: float = 0.35
+    expert_noise: float = 0.25
     # warm-up: AdamW on the train split minus a validation slice, until sampled accuracy on that slice >= target
     target_accuracy: float = 0.25
     min_warmup_steps: int = 150

@@ -124,7 +124,6 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
     from vime_core.sync import WeightSync, resolve_strategy
     from vime_core.train import TrainerGroup
 
-    p = prepared or prepare(cfg, model_dir)
     resume_dir, state = resume_point(cfg)
     start = state["rollout_id"] + 1 if state else 0
     result = RunResult(start, start - 1, resumed_from=resume_dir, last_checkpoint=resume_dir,
@@ -133,6 +132,7 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
         log.warning("the checkpoint %s already covers rollout.num_rollout = %d: nothing to train (raise num_rollout "
                     "to extend the run)", resume_dir, cfg.rollout.num_rollout)
         return result
+    p = prepared or prepare(cfg, model_dir)
     ckpt = Checkpointer(cfg.save_dir, cfg.checkpoint.keep_last)
     ledger = DataLedger(cfg.output_dir / "data_ledger.jsonl")
     init_ray(cfg, p.platform)

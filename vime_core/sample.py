@@ -19,7 +19,8 @@ class Sample:
     response: str = ""
     # log-probs of the sampled tokens as vLLM computed them *after* temperature (processed_logprobs)
     rollout_logprobs: list[float] = field(default_factory=list)
-    # mask of response tokens that are trained on (a custom generate may mark tool output with 0)
+    # mask of response tokens that are trained on: a custom generate marks tokens the policy did not sample (tool
+    # output) with 0 and gives them log-prob 0, so that response_ids, rollout_logprobs and loss_mask stay aligned
     loss_mask: list[int] | None = None
     finish_reason: str = ""
     reward: float | None = None

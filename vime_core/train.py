@@ -282,8 +282,10 @@ class Trainer:
         flat = [s for step in steps for s in step]
         old = self._logprobs(self.model, flat)
         ref = self._logprobs(self.ref_model, flat) if self.ref_model is not None else None
+        # |trainer - rollout| over the tokens the policy sampled (a custom generate masks out e.g. tool output)
         diffs = [
-            (o - torch.tensor(s.rollout_logprobs)).abs().mean().item() for s, o in zip(flat, old) if s.response_len and s.rollout_logprobs
+            (o - torch.tensor(s.rollout_logprobs)).abs()[torch.tensor(s.loss_mask, dtype=torch.bool)].mean().item()
+            for s, o in zip(flat, old) if sum(s.loss_mask) and s.rollout_logprobs
         ]
         metrics: dict[str, float] = {"train/train_rollout_logprob_abs_diff": _mean(diffs)}
         self.model.train()

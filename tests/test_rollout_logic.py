@@ -1,0 +1,122 @@
+"""Our own rollout logic with stand-in engines: the router's assignment, one rollout step with dynamic sampling, and
+the batching of custom generate calls. (The real engines are exercised in the e2e tests.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.conftest import tiny_config
+from vime_core.data import DataBuffer, Prompt, PromptSet
+from vime_core.rollout import GenerateContext, Generation, SamplingSpec, assign_groups, collect_rollout, request_seed
+from vime_core.sample import Sample
+
+
+def test_assign_groups_balances_cost_and_keeps_groups_whole():
+    parts = assign_groups([10, 1, 1, 1, 9, 2], 2)
+    assert sorted(i for p in parts for i in p) == list(range(6))
+    loads = [sum([10, 1, 1, 1, 9, 2][i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= 2
+    assert assign_groups([5, 5], 3)[2] == []
+
+
+def test_request_seed_is_stable_and_distinct():
+    assert request_seed(1, 2, 3) == request_seed(1, 2, 3)
+    assert request_seed(1, 2, 3) != request_seed(1, 3, 2)
+    assert 0 <= request_seed("x") < 2**31
+
+
+class FakeRouter:
+    """Answers every group with n samples whose response is the label (correct) or not, by a fixed pattern."""
+
+    def __init__(self, pattern):
+        self.pattern, self.calls = pattern, []
+
+    def call_all(self, method, *args):
+        self.calls.append(method)
+        return []
+
+    def generate(self, requests, spec):
+        self.calls.append(("generate", len(requests)))
+        groups = []
+        for r in requests:
+            idx = r.template.metadata["index"]
+            good = self.pattern(idx)  # how many of the n samples are right
+            groups.append([Sample(group_id=r.template.group_id, prompt_ids=r.template.prompt_ids, label=r.template.label,
+                                  metadata=dict(r.template.metadata), response_ids=[1, 2, 3], rollout_logprobs=[-0.1] * 3,
+                                  finish_reason="stop", response=f"\\boxed{{{r.template.label if k < good else 'x'}}}")
+                           for k in range(spec.n)])
+        return groups
+
+
+class MathReward:
+    def score(self, groups):
+        for g in groups:
+            for s in g:
+                s.reward = 1.0 if f"\\boxed{{{s.label}}}" in s.response else 0.0
+
+
+def buffer(n=64):
+    return DataBuffer(PromptSet("x", [Prompt(i, [5, 6, i % 7], "", "7") for i in range(n)]), seed=0, shuffle=False)
+
+
+def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
+    cfg = tiny_config(tmp_path, "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
+                      "rollout.dynamic_sampling=true", "rollout.over_sampling_batch_size=4")
+    # prompts with an even index get 2 of 4 right (informative), odd ones 0 of 4 (no signal)
+    router = FakeRouter(lambda i: 2 if i % 2 == 0 else 0)
+    groups, metrics, consumed = collect_rollout(0, cfg, buffer(), router, MathReward())
+    assert len(groups) == 4 and all(len(g) == 4 for g in groups)
+    assert all(len({s.reward for s in g}) > 1 for g in groups)
+    assert [g[0].group_id for g in groups] == [0, 1, 2, 3]
+    assert metrics["rollout/dynamic_sampling/attempts"] == 2.0 and metrics["rollout/dynamic_sampling/dropped_groups"] == 4.0
+    assert consumed == list(range(8))  # two attempts of 4 prompts, in order
+    assert metrics["rollout/zero_std_ratio"] == 0.5 and metrics["rollout/raw_reward"] == pytest.approx(0.25)
+    assert router.calls[0] == "reset_prefix_cache"
+
+
+def test_dynamic_sampling_fills_a_shortfall_with_dropped_groups(tmp_path):
+    cfg = tiny_config(tmp_path, "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
+                      "rollout.dynamic_sampling=true", "rollout.over_sampling_batch_size=4", "rollout.max_sampling_attempts=2")
+    router = FakeRouter(lambda i: 1 if i == 0 else 4)  # only prompt 0 is informative
+    groups, metrics, _ = collect_rollout(0, cfg, buffer(), router, MathReward())
+    assert len(groups) == 4 and metrics["rollout/dynamic_sampling/shortfall"] == 3.0
+    assert len({s.reward for s in groups[0]}) > 1
+
+
+def test_without_dynamic_sampling_one_pass_is_used(tmp_path):
+    cfg = tiny_config(tmp_path, "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=16")
+    router = FakeRouter(lambda i: 0)
+    groups, metrics, consumed = collect_rollout(3, cfg, buffer(), router, MathReward())
+    assert len(groups) == 4 and consumed == [0, 1, 2, 3] and metrics["rollout/zero_std_ratio"] == 1.0
+    assert [c for c in router.calls if isinstance(c, tuple)] == [("generate", 4)]
+
+
+class FakeEngine:
+    def __init__(self):
+        self.batches = []
+
+    def _generate_batch(self, items):
+        self.batches.append(len(items))
+        return [Generation([len(ids)], [-0.5], "stop", f"len {len(ids)}") for ids, _ in items]
+
+
+def test_custom_generate_calls_are_batched_per_turn(monkeypatch):
+    """Concurrent ctx.generate calls of all samples go to the engine as one batch per turn."""
+    monkeypatch.setattr("vime_core.rollout.SamplingSpec.vllm_params", lambda self, seed, n=None, **kw: ("params", seed))
+    engine = FakeEngine()
+    ctx = GenerateContext(engine, SamplingSpec(1, 1.0, 1.0, -1, 8))
+
+    async def two_turns(i):
+        c = ctx.for_sample(seed=i)
+        first = await c.generate([1, 2, 3])
+        second = await c.generate([1, 2, 3] + first.token_ids + [9])
+        return first.text, second.text
+
+    async def main():
+        return await asyncio.gather(*(two_turns(i) for i in range(5)))
+
+    out = asyncio.run(main())
+    assert engine.batches == [5, 5]
+    assert out[0] == ("len 3", "len 5")
