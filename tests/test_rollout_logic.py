@@ -120,3 +120,25 @@ def test_custom_generate_calls_are_batched_per_turn(monkeypatch):
     out = asyncio.run(main())
     assert engine.batches == [5, 5]
     assert out[0] == ("len 3", "len 5")
+
+
+def test_run_sync_works_inside_a_running_event_loop():
+    from vime_core.aio import run_sync
+
+    async def value():
+        return 42
+
+    async def outer():  # as in a Ray actor or Prefect task whose thread already runs a loop
+        return run_sync(value())
+
+    assert run_sync(value()) == 42
+    assert asyncio.run(outer()) == 42
+
+    async def boom():
+        raise ValueError("inner")
+
+    async def outer_boom():
+        return run_sync(boom())
+
+    with pytest.raises(ValueError, match="inner"):
+        asyncio.run(outer_boom())

@@ -183,7 +183,10 @@ def _spawn(fn_name: str, world: int, args: tuple, progress_total: int | None = N
 
 def _rank_entry(fn_name: str, rank: int, world: int, port: int, queue, args: tuple) -> None:
     import traceback
+    import warnings
 
+    for category in (UserWarning, FutureWarning, DeprecationWarning):  # library noise about absent optional packages
+        warnings.simplefilter("ignore", category)
     try:
         globals()[fn_name](rank, world, port, queue, *args)
         queue.put(("done", rank))

@@ -100,7 +100,10 @@ def train(
         if "pass@" in name:
             console.print(f"baseline {name} = {value:.3f}  ->  final {result.final_eval.get(name, float('nan')):.3f}", highlight=False)
     if result.trainer_info:
-        console.print(f"trainer peak RSS {max(i['max_rss_gib'] for i in result.trainer_info):.2f} GiB", highlight=False)
+        console.print(f"peak RSS: trainer {max(i['max_rss_gib'] for i in result.trainer_info):.2f} GiB, "
+                      f"vLLM engine {max(i['max_rss_gib'] for i in result.engine_info):.2f} GiB", highlight=False)
+    if result.steps_done == 0:
+        console.print(f"nothing to train: {result.resumed_from} already covers rollout.num_rollout", highlight=False)
 
 
 @builtin_app.command("build")

@@ -49,6 +49,7 @@ class RunResult:
     final_eval: dict[str, float] = field(default_factory=dict)
     last_metrics: dict[str, float] = field(default_factory=dict)
     trainer_info: list[dict] = field(default_factory=list)
+    engine_info: list[dict] = field(default_factory=list)
     resumed_from: Path | None = None
     last_checkpoint: Path | None = None
     weights_checksum: tuple[float, float] | None = None  # (at start, at end): tests check that training moved them
@@ -181,6 +182,7 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
                 sink.log_metrics(done, result.final_eval)
         result.weights_checksum = (checksum_start, trainer.weights_checksum())
         result.trainer_info = trainer.info()
+        result.engine_info = router.call_all("info")
         return result
     finally:
         if trainer is not None:

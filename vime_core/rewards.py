@@ -20,6 +20,7 @@ import threading
 from fractions import Fraction
 from typing import Any, Callable, Sequence
 
+from vime_core.aio import run_sync
 from vime_core.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -211,16 +212,7 @@ def _run_all(results: list[Any]) -> list[Any]:
     async def gather():
         return await asyncio.gather(*[r if inspect.isawaitable(r) else _value(r) for r in results])
 
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(gather())
-    # already inside an event loop (e.g. called from async code): run in a helper thread with its own loop
-    out: list[Any] = []
-    t = threading.Thread(target=lambda: out.extend(asyncio.run(gather())))
-    t.start()
-    t.join()
-    return out
+    return run_sync(gather())
 
 
 async def _value(v: Any) -> Any:

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from vime_core.aio import run_sync
 from vime_core.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class VLLMEngine:
     def generate(self, requests: list[GroupRequest], spec: SamplingSpec) -> list[list[Sample]]:
         """Sample every request's group; returns one list of `spec.n` samples per request, in order."""
         if self.custom_generate is not None:
-            return asyncio.run(self._generate_custom(requests, spec))
+            return run_sync(self._generate_custom(requests, spec))
         prompts = [{"prompt_token_ids": r.template.prompt_ids} for r in requests]
         params = [spec.vllm_params(seed=r.seed) for r in requests]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)

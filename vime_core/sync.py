@@ -158,6 +158,7 @@ class WeightSync:
         self.bucket_bytes = bucket_size_mb * 2**20
         self.engines_sleep = engines_sleep
         self._asleep = False
+        self._nccl_ready = False
 
     def release_engines(self) -> None:
         if self.engines_sleep:
@@ -172,9 +173,9 @@ class WeightSync:
         if self.strategy == "cpu":
             self._push_cpu()
         elif self.strategy == "cuda_ipc":
-            self.trainer.push_weights_ipc(self.router, self.bucket_bytes)
+            self._push_ipc()
         elif self.strategy == "nccl":
-            self.trainer.push_weights_nccl(self.router, self.bucket_bytes)
+            self._push_nccl()
         else:
             raise ValueError(f"unknown sync strategy {self.strategy!r}")
         if self._asleep:
@@ -182,6 +183,46 @@ class WeightSync:
             self._asleep = False
         self.router.call_all("reset_prefix_cache")  # never serve KV computed with the old weights
         return time.perf_counter() - t0
+
+    def _push_ipc(self) -> None:
+        """Colocated: every trainer rank packs each bucket on its GPU (the full tensors: vLLM shards them itself);
+        every engine worker opens the handle of its own device, found by UUID."""
+        import ray
+
+        self.trainer.call_all("begin_weight_export", self.bucket_bytes)
+        try:
+            while True:
+                parts = self.trainer.call_all("next_ipc_bucket")
+                if parts[0] is None:
+                    break
+                handles = {uuid: handle for uuid, handle, _ in parts}
+                ray.get([e.load_weights_ipc.remote(handles, parts[0][2]) for e in self.router.engines])
+        finally:
+            self.trainer.call_all("end_weight_export")
+
+    def _push_nccl(self) -> None:
+        """Disaggregated: trainer rank 0 broadcasts each bucket to every engine worker over one NCCL group (made
+        on the first push: rank 0 is the trainer, then each engine's workers)."""
+        import ray
+
+        rank0, engines = self.trainer.actors[0], self.router.engines
+        if not self._nccl_ready:
+            address, port = ray.get(rank0.free_address.remote())
+            tp = self.trainer.cfg.rollout.engine_tensor_parallel_size
+            world = 1 + tp * len(engines)
+            ray.get([rank0.init_weight_group.remote(address, port, world)]
+                    + [e.init_weight_group.remote(address, port, 1 + i * tp, world) for i, e in enumerate(engines)])
+            self._nccl_ready = True
+        self.trainer.call_all("begin_weight_export", self.bucket_bytes)
+        try:
+            while True:
+                parts = self.trainer.call_all("next_nccl_bucket")
+                if parts[0] is None:
+                    break
+                layout, nbytes = parts[0]
+                ray.get([rank0.broadcast_bucket.remote()] + [e.load_weights_nccl.remote(layout, nbytes) for e in engines])
+        finally:
+            self.trainer.call_all("end_weight_export")
 
     def _push_cpu(self) -> None:
         import ray

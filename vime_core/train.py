@@ -615,7 +615,7 @@ class TrainerGroup:
     def __init__(self, actors: list, cfg: RunConfig):
         self.actors, self.cfg = actors, cfg
 
-    def _all(self, method: str, *args) -> list:
+    def call_all(self, method: str, *args) -> list:
         import ray
 
         return ray.get([getattr(a, method).remote(*args) for a in self.actors])
@@ -632,57 +632,19 @@ class TrainerGroup:
         return {**metrics, **ray.get(futures)[0]}
 
     def export_hf_weights(self) -> list:
-        return self._all("export_hf_weights")[0]
+        return self.call_all("export_hf_weights")[0]
 
     def weights_checksum(self) -> float:
-        return sum(self._all("weights_checksum"))
+        return sum(self.call_all("weights_checksum"))
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
-        self._all("save_checkpoint", ckpt_dir)
-
-    def push_weights_ipc(self, router, bucket_bytes: int) -> None:
-        """Colocated: every rank packs each bucket on its GPU; every engine worker opens the handle of its device."""
-        import ray
-
-        self._all("begin_weight_export", bucket_bytes)
-        try:
-            while True:
-                parts = self._all("next_ipc_bucket")
-                if parts[0] is None:
-                    break
-                handles = {uuid: handle for uuid, handle, _ in parts}
-                ray.get([e.load_weights_ipc.remote(handles, parts[0][2]) for e in router.engines])
-        finally:
-            self._all("end_weight_export")
-
-    def push_weights_nccl(self, router, bucket_bytes: int) -> None:
-        """Disaggregated: trainer rank 0 broadcasts each bucket to every engine worker over NCCL."""
-        import ray
-
-        if not getattr(self, "_nccl_ready", False):
-            address, port = ray.get(self.actors[0].free_address.remote())
-            tp = self.cfg.rollout.engine_tensor_parallel_size
-            world = 1 + tp * len(router.engines)
-            ray.get([self.actors[0].init_weight_group.remote(address, port, world)]
-                    + [e.init_weight_group.remote(address, port, 1 + i * tp, world) for i, e in enumerate(router.engines)])
-            self._nccl_ready = True
-        self._all("begin_weight_export", bucket_bytes)
-        try:
-            while True:
-                parts = self._all("next_nccl_bucket")
-                if parts[0] is None:
-                    break
-                layout, nbytes = parts[0]
-                ray.get([self.actors[0].broadcast_bucket.remote()]
-                        + [e.load_weights_nccl.remote(layout, nbytes) for e in router.engines])
-        finally:
-            self._all("end_weight_export")
+        self.call_all("save_checkpoint", ckpt_dir)
 
     def load_checkpoint(self, ckpt_dir: str) -> int:
-        return self._all("load_checkpoint", ckpt_dir)[0]
+        return self.call_all("load_checkpoint", ckpt_dir)[0]
 
     def info(self) -> list[dict]:
-        return self._all("info")
+        return self.call_all("info")
 
     def shutdown(self) -> None:
         import ray
