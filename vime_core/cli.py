@@ -86,7 +86,7 @@ def train(
         task = bar.add_task("train", total=total)
 
         def on_step(i: int, m: dict[str, float]) -> None:
-            bar.console.print(_step_line(i, total, m), highlight=False, markup=False)
+            bar.console.print(_step_line(i, total, m), highlight=False, markup=False, soft_wrap=True)
             bar.update(task, completed=i + 1)
 
         try:
