@@ -7,6 +7,9 @@ Cases (each a full `vime_core.loop.run` with real vLLM (CUDA), megatron-core and
   ipc-bf16          colocated on 1 GPU, CUDA-IPC sync, bfloat16, megatron optimizer
   moe-ipc-bf16      the MoE builtin, same as ipc-bf16
   nccl-bf16         disaggregated on 2 GPUs (trainer GPU0, engine GPU1), NCCL broadcast sync
+  tp2-colocate      vime's Qwen3-8B layout on the tiny model: 2 GPUs shared, trainer TP=2 + sequence parallel,
+                    one TP=2 vLLM engine, CUDA-IPC sync (each trainer rank hands its GPU's handle to the engine
+                    worker on the same device UUID)
   perf-0.6b         a Qwen3-0.6B-shaped random model (tied embeddings), colocated, CUDA-IPC in 512 MiB buckets
   perf-0.6b-pertensor  the same with 1 MiB buckets (about one tensor a bucket: the per-tensor baseline); with
                     both in one invocation the script prints the sync-time ratio
@@ -38,6 +41,9 @@ CASES: dict[str, list[str]] = {
                      "train.optimizer=megatron", "rollout.num_rollout=3", "train.lr=2e-5"],
     "nccl-bf16": ["cluster.colocate=false", "model.dtype=bfloat16", "train.optimizer=megatron", "rollout.num_rollout=4",
                   "train.lr=2e-5"],
+    "tp2-colocate": ["cluster.colocate=true", "model.dtype=bfloat16", "train.optimizer=megatron", "rollout.num_rollout=4",
+                     "train.lr=2e-5", "train.num_devices=2", "train.tensor_parallel_size=2", "train.sequence_parallel=true",
+                     "rollout.engine_tensor_parallel_size=2"],
 }
 PERF = ["model.dtype=bfloat16", "train.optimizer=megatron", "rollout.num_rollout=3", "rollout.rollout_batch_size=32",
         "rollout.n_samples_per_prompt=8", "rollout.max_response_len=512", "train.global_batch_size=256",

@@ -410,3 +410,26 @@ def test_every_field_has_a_description():
 
     walk(RunConfig)
     assert {"train.adam_beta1", "train.adam_eps", "eval.datasets.source", "eval.temperature"} <= names
+
+
+def test_model_compat_moe_under_tensor_parallel(arch):
+    """megatron-core raises mid-training for MoE + TP without sequence parallel; we say so before any actor starts."""
+    moe = arch.model_copy(update={"model_type": "qwen3_moe", "num_experts": 4})
+    cfg = load_config(None, ["train.num_devices=2", "train.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"train.tensor_parallel_size = 2 with a MoE model.*train.expert_parallel_size"):
+        check_model_compat(cfg, moe)
+    check_model_compat(cfg, arch)  # the dense model is fine at TP 2
+
+
+def test_sequence_parallel_is_refused_with_the_reason():
+    msg = _error(["train.num_devices=2", "train.tensor_parallel_size=2", "train.sequence_parallel=true"])
+    assert "train.sequence_parallel" in msg and "set it to false" in msg
+
+
+def test_distributed_optimizer_needs_optimizer_checkpoints_off():
+    msg = _error(["train.num_devices=2", "train.distributed_optimizer=true"])
+    assert "checkpoint.save_optimizer = false" in msg
+    assert "train.distributed_optimizer needs megatron" in _error(
+        ["train.optimizer=adamw", "train.distributed_optimizer=true", "checkpoint.save_optimizer=false"])
+    cfg = load_config(None, ["train.num_devices=2", "train.distributed_optimizer=true", "checkpoint.save_optimizer=false"])
+    assert cfg.train.distributed_optimizer

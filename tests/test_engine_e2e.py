@@ -101,6 +101,16 @@ def test_tensor_parallel_trainer_matches_rollout(tp2_run):
     assert end != start
 
 
+def test_tensor_parallel_trains_like_one_rank(tp2_run, dense_run):
+    """TP is a layout, not an algorithm: the first rollout step (same seed, same samples) must give TP=2 the loss and
+    grad norm of the TP=1 reference run. The grad norm covers every parameter, including the q/k layer norms that
+    each TP rank only sees through its own heads (their gradients must be summed over TP ranks)."""
+    tp_rows, ref_rows = step_rows(tp2_run[1]), step_rows(dense_run[1])
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy_loss"):
+        tp, ref = tp_rows[0][key], ref_rows[0][key]
+        assert tp == pytest.approx(ref, rel=1e-4, abs=1e-6), f"{key}: TP=2 {tp} vs TP=1 {ref}"
+
+
 def test_grpo_learns_on_builtin_arith(dense_run):
     """Fixed seed: held-out pass@1 (same sampling seeds before and after) and the rollout reward both rise.
     Seen on three seeds: held-out +0.06..+0.12, rollout reward (last 5 vs first 5 steps) +0.10..+0.18."""

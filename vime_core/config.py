@@ -134,7 +134,11 @@ class TrainConfig(_Section):
     tensor_parallel_size: Annotated[int, Field(ge=1, description="Megatron tensor parallel size.")] = 1
     pipeline_parallel_size: Annotated[int, Field(ge=1, description="Megatron pipeline parallel size.")] = 1
     expert_parallel_size: Annotated[int, Field(ge=1, description="Megatron expert parallel size (MoE).")] = 1
-    sequence_parallel: Annotated[bool, Field(description="Megatron sequence parallel (needs TP>1; GPU only).")] = False
+    sequence_parallel: Annotated[
+        bool,
+        Field(description="Megatron sequence parallel. Not supported yet: megatron-core has a sequence-parallel RMSNorm "
+                          "only in its Transformer Engine layer spec, and vime-flow builds the local spec; must be false."),
+    ] = False
     global_batch_size: Annotated[int, Field(ge=1, description="Samples per optimizer step.")] = 256
     max_tokens_per_device: Annotated[
         int, Field(ge=16, description="Token budget of one micro-batch (dynamic batching, padded length x rows).")
@@ -143,6 +147,11 @@ class TrainConfig(_Section):
         Literal["auto", "adamw", "megatron"],
         Field(description="`adamw`: torch AdamW with a TP-aware clip (CPU); `megatron`: megatron-core's optimizer (GPU); `auto` picks by platform."),
     ] = "auto"
+    distributed_optimizer: Annotated[
+        bool,
+        Field(description="Shard megatron's optimizer state over data-parallel ranks (saves memory when DP > 1). Its "
+                          "checkpoint format is not implemented yet: needs checkpoint.save_optimizer = false."),
+    ] = False
     lr: Annotated[float, Field(gt=0.0, le=1.0, description="Peak learning rate.")] = 1e-6
     min_lr: Annotated[float, Field(ge=0.0, description="Learning rate at the end of decay.")] = 0.0
     lr_schedule: Annotated[
@@ -360,8 +369,15 @@ def _cross_field_problems(c: RunConfig):
         )
     if t.expert_parallel_size > 1 and t.num_devices % t.expert_parallel_size:
         yield f"train.expert_parallel_size = {t.expert_parallel_size} does not divide train.num_devices = {t.num_devices}"
-    if t.sequence_parallel and t.tensor_parallel_size == 1:
-        yield "train.sequence_parallel needs train.tensor_parallel_size > 1"
+    if t.sequence_parallel:
+        yield ("train.sequence_parallel is not supported yet (megatron-core's local layer spec, which vime-flow builds, "
+               "has no sequence-parallel RMSNorm); set it to false")
+    if t.distributed_optimizer and t.optimizer == "adamw":
+        yield "train.distributed_optimizer needs megatron's optimizer; set train.optimizer to megatron or auto"
+    if t.distributed_optimizer and c.checkpoint.save_optimizer:
+        yield ("train.distributed_optimizer = true cannot be checkpointed yet (its sharded optimizer format is not "
+               "implemented); set checkpoint.save_optimizer = false (a resume then restarts Adam's moments) or "
+               "train.distributed_optimizer = false")
     if c.cluster.colocate and t.num_devices != c.rollout_devices:
         yield (
             f"cluster.colocate needs as many trainer devices as rollout devices: train.num_devices = {t.num_devices} but "
@@ -371,8 +387,6 @@ def _cross_field_problems(c: RunConfig):
     if c.cluster.platform == "cpu":
         if c.sync.strategy in ("cuda_ipc", "nccl"):
             yield f"sync.strategy = {c.sync.strategy} needs a GPU platform; on cluster.platform = cpu use `cpu` or `auto`"
-        if t.sequence_parallel:
-            yield "train.sequence_parallel does not work on CPU (megatron-core); set it to false"
     if c.sync.strategy == "cuda_ipc" and not c.cluster.colocate:
         yield "sync.strategy = cuda_ipc needs cluster.colocate = true (IPC handles only work on shared devices)"
     if t.lr_schedule != "constant" and t.lr_decay_steps is None:
@@ -446,6 +460,12 @@ def check_model_compat(cfg: RunConfig, arch: ModelArch) -> None:
         problems.append(
             f"train.pipeline_parallel_size = {t.pipeline_parallel_size} does not divide the model's "
             f"{arch.num_hidden_layers} layers"
+        )
+    if arch.num_experts and tp > 1:
+        problems.append(
+            f"train.tensor_parallel_size = {tp} with a MoE model: megatron-core trains MoE layers under TP only with "
+            f"sequence parallel, which is not supported yet; set train.tensor_parallel_size = 1 and spread the experts "
+            f"with train.expert_parallel_size"
         )
     if t.expert_parallel_size > 1:
         if not arch.num_experts:

@@ -168,7 +168,10 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
     if ps.get_tensor_model_parallel_world_size() == 1:
         return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return -vocab_parallel_cross_entropy(logits.float().contiguous(), targets)
+    x = logits.float().contiguous()
+    if x is logits:  # megatron's function overwrites its input in place (shift, exp): keep the caller's logits intact
+        x = x.clone()
+    return -vocab_parallel_cross_entropy(x, targets)
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -86,6 +86,37 @@ class EngineOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def engine_kwargs(opts: EngineOptions) -> dict[str, Any]:
+    """The keyword arguments of vLLM's `LLM` for these options (pure, so that tests can check the choices)."""
+    kwargs: dict[str, Any] = dict(
+        model=opts.model_path,
+        dtype=opts.dtype,
+        seed=opts.seed,
+        max_model_len=opts.max_model_len,
+        enforce_eager=opts.enforce_eager or opts.platform == "cpu",
+        tensor_parallel_size=opts.tensor_parallel_size,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls="vime_core.sync.VLLMWorkerExtension",
+        enable_prefix_caching=True,
+    )
+    if opts.platform == "cpu":
+        kwargs["kv_cache_memory_bytes"] = int(opts.cpu_kv_cache_gib * 2**30)
+        # A chunked prefill discards the token sampled for the partial prompt and rewinds that request's seeded
+        # generator, which CPU generators cannot do ("CPU Generator does not use offset"): prefill whole prompts.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(8192, opts.max_model_len)
+    else:
+        kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = opts.sleep_mode
+        if opts.tensor_parallel_size > 1:
+            # Inside a placement-group actor vLLM picks its Ray executor, which asks Ray for GPU workers of its own;
+            # our placement already gave those GPUs to this actor (and, colocated, shares them with trainer ranks).
+            # Worker processes of this actor see its visible devices, which are exactly the engine's GPUs.
+            kwargs["distributed_executor_backend"] = "mp"
+    kwargs.update(opts.extra)
+    return kwargs
+
+
 class VLLMEngine:
     """A vLLM `LLM` in this process. Run it as a Ray actor (see cluster.py); usable directly in tests."""
 
@@ -99,27 +130,7 @@ class VLLMEngine:
         from vllm import LLM
 
         self.opts = opts
-        kwargs: dict[str, Any] = dict(
-            model=opts.model_path,
-            dtype=opts.dtype,
-            seed=opts.seed,
-            max_model_len=opts.max_model_len,
-            enforce_eager=opts.enforce_eager or opts.platform == "cpu",
-            tensor_parallel_size=opts.tensor_parallel_size,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls="vime_core.sync.VLLMWorkerExtension",
-            enable_prefix_caching=True,
-        )
-        if opts.platform == "cpu":
-            kwargs["kv_cache_memory_bytes"] = int(opts.cpu_kv_cache_gib * 2**30)
-            # A chunked prefill discards the token sampled for the partial prompt and rewinds that request's seeded
-            # generator, which CPU generators cannot do ("CPU Generator does not use offset"): prefill whole prompts.
-            kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(8192, opts.max_model_len)
-        else:
-            kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = opts.sleep_mode
-        kwargs.update(opts.extra)
+        kwargs = engine_kwargs(opts)
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0

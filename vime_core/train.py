@@ -192,7 +192,7 @@ class Trainer:
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-            distributed = t.data_parallel_size > 1
+            distributed = t.distributed_optimizer and t.data_parallel_size > 1
             self.model = DistributedDataParallel(
                 self.tf_config,
                 DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed),
@@ -228,7 +228,10 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.optimizer_kind == "megatron":
-            self.model.finish_grad_sync()  # all-reduce (or reduce-scatter) over data-parallel ranks
+            from megatron.core.distributed import finalize_model_grads
+
+            # DP all-reduce (or reduce-scatter), plus the TP sum of the q/k layer-norm gradients (see _sync_and_clip_grads)
+            finalize_model_grads([self.model])
             ok, grad_norm, _ = self.optimizer.step()  # clips by the global norm itself
             if not ok:
                 raise RuntimeError("megatron optimizer step failed (non-finite gradients)")
@@ -372,6 +375,13 @@ class Trainer:
         if expert and ps.get_expert_data_parallel_world_size() > 1:
             for p in expert:
                 dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group())
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            # Qwen3's q/k layer norms are replicated over TP ranks but normalise per head, after the column-parallel
+            # QKV projection: each rank sees only its own heads, so its gradient is a partial sum (megatron's
+            # finalize_model_grads does the same for its optimizer).
+            for name, p in self.module.named_parameters():
+                if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
         tp_rank = ps.get_tensor_model_parallel_rank()
 
         def sq(ps_: list[torch.Tensor]) -> torch.Tensor:
@@ -440,9 +450,6 @@ class Trainer:
         dist.barrier()
         dist_checkpointing.save(self.module.sharded_state_dict(), str(d / "model"))
         name = f"rank_{self.rank:05d}.pt"
-        if self.cfg.checkpoint.save_optimizer and self.optimizer_kind == "megatron" and self.cfg.train.data_parallel_size > 1:
-            raise NotImplementedError("saving megatron's distributed optimizer (data parallel > 1) is not implemented; "
-                                      "set train.optimizer=adamw or checkpoint.save_optimizer=false")
         if self.cfg.checkpoint.save_optimizer:
             torch.save({"optimizer": self.optimizer.state_dict(), "step": self.step}, d / "optimizer" / name)
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
