@@ -7,9 +7,11 @@ Cases (each a full `vime_core.loop.run` with real vLLM (CUDA), megatron-core and
   ipc-bf16          colocated on 1 GPU, CUDA-IPC sync, bfloat16, megatron optimizer
   moe-ipc-bf16      the MoE builtin, same as ipc-bf16
   nccl-bf16         disaggregated on 2 GPUs (trainer GPU0, engine GPU1), NCCL broadcast sync
-  tp2-colocate      vime's Qwen3-8B layout on the tiny model: 2 GPUs shared, trainer TP=2 + sequence parallel,
-                    one TP=2 vLLM engine, CUDA-IPC sync (each trainer rank hands its GPU's handle to the engine
-                    worker on the same device UUID)
+  tp2-colocate      vime's Qwen3-8B layout on the tiny model, float32: 2 GPUs shared, trainer TP=2 (megatron
+                    optimizer), one TP=2 vLLM engine, CUDA-IPC sync (each trainer rank hands its GPU's handle to the
+                    engine worker on the same device UUID); its first step should match ipc-fp32's (TP is a layout)
+  dp2-colocate      2 GPUs shared, trainer DP=2 (megatron optimizer, replicated state), two engines, CUDA-IPC;
+                    checkpoints (with optimizer state) at the end
   perf-0.6b         a Qwen3-0.6B-shaped random model (tied embeddings), colocated, CUDA-IPC in 512 MiB buckets
   perf-0.6b-pertensor  the same with 1 MiB buckets (about one tensor a bucket: the per-tensor baseline); with
                     both in one invocation the script prints the sync-time ratio
@@ -41,9 +43,10 @@ CASES: dict[str, list[str]] = {
                      "train.optimizer=megatron", "rollout.num_rollout=3", "train.lr=2e-5"],
     "nccl-bf16": ["cluster.colocate=false", "model.dtype=bfloat16", "train.optimizer=megatron", "rollout.num_rollout=4",
                   "train.lr=2e-5"],
-    "tp2-colocate": ["cluster.colocate=true", "model.dtype=bfloat16", "train.optimizer=megatron", "rollout.num_rollout=4",
-                     "train.lr=2e-5", "train.num_devices=2", "train.tensor_parallel_size=2", "train.sequence_parallel=true",
-                     "rollout.engine_tensor_parallel_size=2"],
+    "tp2-colocate": ["cluster.colocate=true", "model.dtype=float32", "train.optimizer=megatron", "rollout.num_rollout=4",
+                     "train.num_devices=2", "train.tensor_parallel_size=2", "rollout.engine_tensor_parallel_size=2"],
+    "dp2-colocate": ["cluster.colocate=true", "model.dtype=bfloat16", "train.optimizer=megatron", "rollout.num_rollout=4",
+                     "train.lr=2e-5", "train.num_devices=2", "rollout.num_engines=2"],
 }
 PERF = ["model.dtype=bfloat16", "train.optimizer=megatron", "rollout.num_rollout=3", "rollout.rollout_batch_size=32",
         "rollout.n_samples_per_prompt=8", "rollout.max_response_len=512", "train.global_batch_size=256",
@@ -89,7 +92,7 @@ def run_case(name: str, out: Path) -> dict:
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", overrides)
     sink = MemorySink()
     t0 = time.time()
-    result = run(cfg, sink)
+    result = run(cfg, sink, on_step=lambda i, m: print(f"[{name}] step {i} done at {time.time() - t0:.1f}s", flush=True))
     rows = [r for r in sink.rows if "rollout/raw_reward" in r]
     col = lambda k: [round(r[k], 6) for r in rows]  # noqa: E731
     summary = {
@@ -105,6 +108,7 @@ def run_case(name: str, out: Path) -> dict:
         "response_len_mean": col("rollout/response_len/mean"),
         "raw_reward": col("rollout/raw_reward"),
         "grad_norm": col("train/grad_norm"),
+        "loss": col("train/loss"),
         "baseline_eval": result.baseline_eval,
         "final_eval": result.final_eval,
         "trainer": result.trainer_info,
@@ -114,6 +118,10 @@ def run_case(name: str, out: Path) -> dict:
 
 
 def main() -> int:
+    if os.environ.get("VIME_BENCH_WATCHDOG_S"):  # a hung case shows where the driver waits (which actor call)
+        import faulthandler
+
+        faulthandler.dump_traceback_later(int(os.environ["VIME_BENCH_WATCHDOG_S"]), exit=False)
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
     for name in sys.argv[2:]:

@@ -142,3 +142,16 @@ def test_run_sync_works_inside_a_running_event_loop():
 
     with pytest.raises(ValueError, match="inner"):
         asyncio.run(outer_boom())
+
+
+def test_engine_kwargs_choose_processed_logprobs_and_executor():
+    from vime_core.rollout import EngineOptions, engine_kwargs
+
+    cpu = engine_kwargs(EngineOptions(model_path="m", dtype="float32", max_model_len=512, seed=1))
+    assert cpu["logprobs_mode"] == "processed_logprobs"  # log-probs after temperature, as the trainer recomputes them
+    assert cpu["enable_chunked_prefill"] is False and cpu["enforce_eager"]
+    one = engine_kwargs(EngineOptions(model_path="m", dtype="bfloat16", max_model_len=512, seed=1, platform="cuda"))
+    assert "distributed_executor_backend" not in one and "kv_cache_memory_bytes" not in one
+    two = engine_kwargs(EngineOptions(model_path="m", dtype="bfloat16", max_model_len=512, seed=1, platform="cuda",
+                                      tensor_parallel_size=2, sleep_mode=True))
+    assert two["distributed_executor_backend"] == "mp" and two["enable_sleep_mode"]
