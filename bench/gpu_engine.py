@@ -12,6 +12,8 @@ Cases (each a full `vime_core.loop.run` with real vLLM (CUDA), megatron-core and
                     engine worker on the same device UUID); its first step should match ipc-fp32's (TP is a layout)
   dp2-colocate      2 GPUs shared, trainer DP=2 (megatron optimizer, replicated state), two engines, CUDA-IPC;
                     checkpoints (with optimizer state) at the end
+  resume-bf16       ipc-bf16 stopped after 2 steps and resumed to 4 from its checkpoint (megatron optimizer state):
+                    steps 2-3 should repeat ipc-bf16's
   perf-0.6b         a Qwen3-0.6B-shaped random model (tied embeddings), colocated, CUDA-IPC in 512 MiB buckets
   perf-0.6b-pertensor  the same with 1 MiB buckets (about one tensor a bucket: the per-tensor baseline); with
                     both in one invocation the script prints the sync-time ratio
@@ -48,6 +50,8 @@ CASES: dict[str, list[str]] = {
     "dp2-colocate": ["cluster.colocate=true", "model.dtype=bfloat16", "train.optimizer=megatron", "rollout.num_rollout=4",
                      "train.lr=2e-5", "train.num_devices=2", "rollout.num_engines=2"],
 }
+CASES["resume-bf16"] = CASES["ipc-bf16"]
+STOP_AFTER = {"resume-bf16": 2}  # cases run in two parts: stop after this many steps, then resume to the end
 PERF = ["model.dtype=bfloat16", "train.optimizer=megatron", "rollout.num_rollout=3", "rollout.rollout_batch_size=32",
         "rollout.n_samples_per_prompt=8", "rollout.max_response_len=512", "train.global_batch_size=256",
         "train.max_tokens_per_device=8192", "train.lr=1e-6", "eval.datasets=[]", "rollout.enforce_eager=false",
@@ -92,7 +96,11 @@ def run_case(name: str, out: Path) -> dict:
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", overrides)
     sink = MemorySink()
     t0 = time.time()
-    result = run(cfg, sink, on_step=lambda i, m: print(f"[{name}] step {i} done at {time.time() - t0:.1f}s", flush=True))
+    progress = lambda i, m: print(f"[{name}] step {i} done at {time.time() - t0:.1f}s", flush=True)  # noqa: E731
+    if name in STOP_AFTER:
+        run(load_config(REPO / "configs" / "tiny-cpu.yaml", overrides + [f"rollout.num_rollout={STOP_AFTER[name]}"]),
+            sink, on_step=progress)
+    result = run(cfg, sink, on_step=progress)
     rows = [r for r in sink.rows if "rollout/raw_reward" in r]
     col = lambda k: [round(r[k], 6) for r in rows]  # noqa: E731
     summary = {
@@ -113,6 +121,7 @@ def run_case(name: str, out: Path) -> dict:
         "final_eval": result.final_eval,
         "trainer": result.trainer_info,
         "weights_checksum": result.weights_checksum,
+        "resumed_from": str(result.resumed_from) if result.resumed_from else None,
     }
     return summary
 
