@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Any
 
 import flows  # noqa: F401  (offline variables before Prefect loads)
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from tasks.common import markdown
+from tasks.common import artifact_key, markdown
 from tasks.convert import convert_checkpoint
 from tasks.download import download_dataset, download_model
 from tasks.evaluate import evaluate, log_evaluation
@@ -45,17 +44,18 @@ def grpo_pipeline(config_path: str = "configs/tiny-cpu.yaml", overrides: list[st
         if not trained["last_checkpoint"]:
             raise RuntimeError("training produced no checkpoint")
         exported = export_hf(config, trained["last_checkpoint"])
-        final = evaluate(config, exported) if cfg.eval.datasets else {}
-        if final:
+        final, registry = {}, {"registered": False, "reason": "no eval dataset: nothing to compare a champion on"}
+        if cfg.eval.datasets:
+            final = evaluate(config, exported)
             log_evaluation(config, final, exported, run_id)
-        registry = register_model(config, exported, run_id, final) if final else {"registered": False}
+            registry = register_model(config, exported, run_id, final)
     except BaseException:
         finish_tracking(config, run_id, {}, status="FAILED")
         raise
 
     summary = pipeline_summary(cfg, trained, final, registry, exported, run_id)
     finish_tracking(config, run_id, {k: v for k, v in summary.items() if isinstance(v, float)})
-    markdown("GRPO pipeline", summary, key=f"{cfg.name}-pipeline".lower().replace("_", "-").replace(".", "-"))
+    markdown("GRPO pipeline", summary, key=artifact_key(cfg.name, "pipeline"))
     logger.info("pipeline done: %s", summary)
     return summary
 

@@ -9,7 +9,7 @@ from prefect import task
 from prefect.context import TaskRunContext
 
 from tasks.common import RETRY_DELAYS, artifact_key, markdown
-from vime_core.checkpoint import convert_hf_to_torch_dist, converted_meta
+from vime_core.checkpoint import convert_hf_to_torch_dist, is_converted
 
 
 def converted_dir(output_dir: str, content_hash: str, dtype: str) -> Path:
@@ -19,8 +19,7 @@ def converted_dir(output_dir: str, content_hash: str, dtype: str) -> Path:
 def _cache_key(context: TaskRunContext, params: dict[str, Any]) -> str | None:
     """Reuse a cached result only while the converted checkpoint it points to is still there and intact."""
     model, dtype = params["model"], params["dtype"]
-    meta = converted_meta(converted_dir(params["output_dir"], model["content_hash"], dtype))
-    if meta and meta.get("source_hash") == model["content_hash"]:
+    if is_converted(converted_dir(params["output_dir"], model["content_hash"], dtype), model["content_hash"], dtype):
         return f"convert-{model['content_hash']}-{dtype}-{params['output_dir']}"
     return None
 
@@ -29,7 +28,7 @@ def _cache_key(context: TaskRunContext, params: dict[str, Any]) -> str | None:
 def convert_checkpoint(model: dict[str, Any], output_dir: str, dtype: str) -> str:
     """HF checkpoint -> torch_dist (what the trainer starts from). Returns the checkpoint directory."""
     out = converted_dir(output_dir, model["content_hash"], dtype)
-    skipped = (converted_meta(out) or {}).get("source_hash") == model["content_hash"]
+    skipped = is_converted(out, model["content_hash"], dtype)
     convert_hf_to_torch_dist(model["path"], out, dtype=dtype, source_hash=model["content_hash"], show_progress=False)
     markdown("Conversion HF -> torch_dist", {"source": model["source"], "target": str(out), "skipped (same source hash)": skipped},
              artifact_key("convert", model["content_hash"]))

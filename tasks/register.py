@@ -28,8 +28,6 @@ def register_model(config: dict[str, Any], export_dir: str, run_id: str | None, 
     cfg = cfg_of(config)
     if not run_id:
         return {"registered": False, "reason": "tracking disabled"}
-    if not cfg.eval.datasets:
-        return {"registered": False, "reason": "no eval dataset: nothing to compare a champion on"}
     metric = f"eval/{cfg.eval.datasets[0].name}/pass@1"
     uri, experiment = tracking_target(cfg)
     run = MlflowRun(uri, experiment, run_id=run_id)

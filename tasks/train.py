@@ -45,7 +45,7 @@ def train_grpo(config: dict[str, Any], model: dict[str, Any], init_checkpoint: s
         "reward_last": rewards[-1] if rewards else None,
         "num_rollout": cfg.rollout.num_rollout,
     }
-    if tracker and result.last_checkpoint:
+    if tracker and result.last_checkpoint and cfg.tracking.log_checkpoints:
         tracker.log_text(json.dumps({"checkpoint_dir": str(cfg.save_dir), "latest": str(result.last_checkpoint)}, indent=2),
                          "checkpoints.json")
     markdown("GRPO training", {k: v for k, v in summary.items() if not isinstance(v, dict)}, artifact_key(cfg.name, "train"))

@@ -97,10 +97,7 @@ def save_hf_checkpoint(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str,
             weight_map.update({k: fname for k in shard})
         total = sum(t.numel() * t.element_size() for _, t in items)
         (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    for name in HF_SIDE_FILES:
-        src = Path(source_dir) / name
-        if src.is_file():
-            shutil.copy2(src, tmp / name)
+    _copy_hf_side_files(Path(source_dir), tmp)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -260,8 +257,7 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, tp: int = 
     if problems:
         raise ConversionError(f"layout tp={tp} pp={pp} ep={ep} does not fit {hf_dir}: " + "; ".join(problems))
     source_hash = source_hash or content_hash(hf_dir)
-    meta = converted_meta(out)
-    if meta and meta.get("source_hash") == source_hash and meta.get("dtype") == dtype:
+    if is_converted(out, source_hash, dtype):
         return out
     from safetensors import safe_open
 
@@ -292,6 +288,12 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, tp: int = 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def is_converted(out: str | Path, source_hash: str, dtype: str) -> bool:
+    """`out` already holds a conversion of the checkpoint with this content hash, at this dtype."""
+    meta = converted_meta(out) or {}
+    return meta.get("source_hash") == source_hash and meta.get("dtype") == dtype
 
 
 def _check_replaceable(out: Path, marker: str) -> None:

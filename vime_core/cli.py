@@ -154,13 +154,12 @@ def convert_hf_to_megatron(
     dtype: Dtype = typer.Option(Dtype.float32, "--dtype", help="Parameter dtype of the checkpoint."),
 ) -> None:
     """HF checkpoint -> Megatron torch_dist (skipped when DST already holds a conversion of the same source)."""
-    from vime_core.checkpoint import convert_hf_to_torch_dist, converted_meta
+    from vime_core.checkpoint import convert_hf_to_torch_dist, is_converted
     from vime_core.sources import resolve_model
 
     with _conversion_errors():
         model = resolve_model(src)
-        before = converted_meta(dst) or {}
-        skipped = before.get("source_hash") == model.content_hash and before.get("dtype") == dtype.value
+        skipped = is_converted(dst, model.content_hash, dtype.value)
         out = convert_hf_to_torch_dist(model.path, dst, tp=tp, pp=pp, ep=ep, dtype=dtype.value, source_hash=model.content_hash)
     note = " (already converted from the same source: skipped)" if skipped else ""
     console.print(f"torch_dist checkpoint of {src} ({dtype.value}): {out}{note}", highlight=False, soft_wrap=True)
@@ -179,10 +178,6 @@ def convert_megatron_to_hf(
     with _conversion_errors():
         out = convert_torch_dist_to_hf(src, dst, hf_config_dir=hf_config, dtype=dtype.value if dtype else None)
     console.print(f"HF checkpoint: {out}", highlight=False, soft_wrap=True)
-
-
-def main() -> None:  # pragma: no cover
-    app()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -81,6 +81,11 @@ class Placement:
     colocate: bool
     bundle_devices: list[str]  # the GPU id Ray gave each bundle ("" on CPU)
 
+    @property
+    def engines_sleep(self) -> bool:
+        """Colocated GPU engines release their memory while the trainer works (vLLM sleep mode)."""
+        return self.colocate and self.gpu
+
     def devices(self, bundles: list[int]) -> list[int]:
         return [int(self.bundle_devices[b]) for b in bundles] if self.gpu else []
 
@@ -164,7 +169,7 @@ def create_engines(cfg: RunConfig, p: Placement, platform: str, model_path: str)
             cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
             enforce_eager=cfg.rollout.enforce_eager,
             custom_generate=cfg.rollout.custom_generate,
-            sleep_mode=p.colocate and p.gpu,
+            sleep_mode=p.engines_sleep,
         )
         actor = ray.remote(VLLMEngine).options(
             num_cpus=0 if p.colocate else 1,

@@ -39,7 +39,6 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 
 
-PositiveInt = Annotated[int, Field(ge=1)]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -348,7 +347,7 @@ class RunConfig(_Section):
 
 def _cross_field_problems(c: RunConfig):
     r, t = c.rollout, c.train
-    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    samples = c.samples_per_rollout
     if samples % t.global_batch_size:
         yield (
             f"rollout.rollout_batch_size * rollout.n_samples_per_prompt = {r.rollout_batch_size} * "
@@ -384,9 +383,8 @@ def _cross_field_problems(c: RunConfig):
             f"rollout.num_engines * rollout.engine_tensor_parallel_size = {c.rollout_devices}; make them equal or "
             f"set cluster.colocate = false"
         )
-    if c.cluster.platform == "cpu":
-        if c.sync.strategy in ("cuda_ipc", "nccl"):
-            yield f"sync.strategy = {c.sync.strategy} needs a GPU platform; on cluster.platform = cpu use `cpu` or `auto`"
+    if c.cluster.platform == "cpu" and c.sync.strategy in ("cuda_ipc", "nccl"):
+        yield f"sync.strategy = {c.sync.strategy} needs a GPU platform; on cluster.platform = cpu use `cpu` or `auto`"
     if c.sync.strategy == "cuda_ipc" and not c.cluster.colocate:
         yield "sync.strategy = cuda_ipc needs cluster.colocate = true (IPC handles only work on shared devices)"
     if t.lr_schedule != "constant" and t.lr_decay_steps is None:

@@ -88,9 +88,9 @@ def prepare(cfg: RunConfig, model_dir: Path | None = None, eval_only: bool = Fal
 
 
 def _dataset_path(source: str) -> str:
-    from vime_core.sources import resolve_dataset
+    from vime_core.sources import dataset_path  # no content hash: the download task has recorded it
 
-    return source if source.startswith("builtin://") else str(resolve_dataset(source).path)
+    return source if source.startswith("builtin://") else str(dataset_path(source))
 
 
 def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
@@ -145,7 +145,7 @@ def run(cfg: RunConfig, sink: MetricsSink, on_step: StepCallback | None = None, 
         router = RolloutRouter(create_engines(cfg, placement, p.platform, str(p.model_dir)))
         wait_ready(trainer.actors, router.engines)
         sync = WeightSync(trainer, router, resolve_strategy(cfg.sync.strategy, p.platform, cfg.cluster.colocate),
-                          cfg.sync.bucket_size_mb, engines_sleep=placement.colocate and placement.gpu)
+                          cfg.sync.bucket_size_mb, engines_sleep=placement.engines_sleep)
         buffer = DataBuffer(p.prompts, cfg.seed, cfg.data.shuffle)
         if state:
             trainer.load_checkpoint(str(resume_dir))

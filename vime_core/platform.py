@@ -143,6 +143,11 @@ def worker_env(platform: PlatformName, device_ids: list[int] | None, base: Mappi
     return env
 
 
+def max_rss_gib() -> float:
+    """Peak resident memory of this process (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def raise_fd_limit(gpu: bool) -> int:
     """Raise the soft open-file limit to the hard limit; warn on GPU runs when it stays below 1,048,576.
 

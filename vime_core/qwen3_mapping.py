@@ -324,9 +324,6 @@ def with_expert_index(name: str, index: int) -> str:
     return f"{m.group(1)}{index}{m.group(3)}"
 
 
-_LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
-
-
 def local_view(full: Mapping[str, Tensor], tp: int, tp_rank: int, ep: int, ep_rank: int, num_experts: int,
                pp: int = 1, pp_rank: int = 0, num_layers: int | None = None) -> dict[str, Tensor]:
     """A rank's local megatron state dict from full tensors: its pipeline stage's layers (renumbered from 0, the
@@ -337,7 +334,7 @@ def local_view(full: Mapping[str, Tensor], tp: int, tp_rank: int, ep: int, ep_ra
     out = {}
     for name, t in full.items():
         if per_stage is not None:
-            m = _LAYER_NAME.fullmatch(name)
+            m = _LAYER.fullmatch(name)
             if m:
                 layer = int(m.group(1))
                 if layer // per_stage != pp_rank:

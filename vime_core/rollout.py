@@ -185,13 +185,10 @@ class VLLMEngine:
     def load_weights_nccl(self, layout: list, nbytes: int) -> int:
         return self.llm.collective_rpc("vime_load_from_nccl", args=(layout, nbytes))[0]
 
-    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        return self.llm.collective_rpc(method, args=args)
-
     def info(self) -> dict[str, Any]:
-        import resource
+        from vime_core.platform import max_rss_gib
 
-        return {"max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "start_seconds": self.start_seconds}
+        return {"max_rss_gib": max_rss_gib(), "start_seconds": self.start_seconds}
 
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():

@@ -82,19 +82,24 @@ def resolve_dataset(source: str) -> Resolved:
     """Datasets: builtin ones stay as they are (read by data.py); hf:// ones are downloaded; paths are checked."""
     if source.startswith("builtin://"):
         return Resolved(source, Path(source), hashlib.sha256(source.encode()).hexdigest()[:16])
+    path = dataset_path(source)
+    return Resolved(source, path, content_hash(path))
+
+
+def dataset_path(source: str) -> Path:
+    """Where a non-builtin dataset source is on disk (hf:// ones downloaded, or found in the hub cache)."""
     if source.startswith("hf://"):
         spec = source.removeprefix("hf://")
         if not spec.startswith("datasets/"):
             raise SourceError(f"dataset source {source!r}: use hf://datasets/<org>/<name>[@revision]")
         repo, rev = _split_revision(spec.removeprefix("datasets/"))
-        path = _hf_snapshot(repo, rev, "dataset", ["*.jsonl", "*.parquet", "*.json"])
-        return Resolved(source, path, content_hash(path))
+        return _hf_snapshot(repo, rev, "dataset", ["*.jsonl", "*.parquet", "*.json"])
     if "://" in source:
         raise SourceError(f"unknown dataset source scheme in {source!r}; use builtin://, hf://datasets/... or a local path")
     path = Path(source).expanduser()
     if not path.exists():
         raise SourceError(f"dataset path {path} does not exist")
-    return Resolved(source, path, content_hash(path))
+    return path
 
 
 def _hf_snapshot(repo: str, revision: str | None, repo_type: str, patterns: list[str]) -> Path:

@@ -114,13 +114,11 @@ def _view(bucket: torch.Tensor, shape: tuple[int, ...], dtype: str, offset: int)
     return bucket[offset : offset + nbytes].view(dt).view(shape)
 
 
-def pack_bucket(tensors: list[tuple[str, torch.Tensor]], device: torch.device | str, dtype: torch.dtype | None = None
-                ) -> tuple[torch.Tensor, list[tuple[str, tuple[int, ...], str, int]]]:
+def pack_bucket(tensors: list[tuple[str, torch.Tensor]], device: torch.device | str) -> tuple[torch.Tensor, list[tuple[str, tuple[int, ...], str, int]]]:
     """Copy tensors into one contiguous uint8 buffer (each aligned to 256 bytes); returns (buffer, layout)."""
     layout, offset = [], 0
     prepared = []
     for name, t in tensors:
-        t = t.to(dtype) if dtype is not None else t
         offset = (offset + 255) // 256 * 256
         layout.append((name, tuple(t.shape), str(t.dtype), offset))
         prepared.append((t, offset))

@@ -170,16 +170,8 @@ class MlflowRun:
 
     def __init__(self, uri: str, experiment: str, run_name: str | None = None, run_id: str | None = None,
                  parent_run_id: str | None = None, tags: dict[str, str] | None = None, artifact_root: Path | None = None):
-        self.uri = uri
         self.client = _client(uri)
         check_reachable(uri)
-        exp = self.client.get_experiment_by_name(experiment)
-        if exp is None:
-            location = artifact_root.resolve().as_uri() + f"/{experiment}" if artifact_root else None
-            exp_id = self.client.create_experiment(experiment, artifact_location=location)
-        else:
-            exp_id = exp.experiment_id
-        self.experiment_id = exp_id
         if run_id:
             run = self.client.get_run(run_id)
             if run.info.lifecycle_stage != "active":
@@ -187,6 +179,12 @@ class MlflowRun:
             self.client.update_run(run_id, status="RUNNING")
             self.run_id = run_id
         else:
+            exp = self.client.get_experiment_by_name(experiment)
+            if exp is None:
+                location = artifact_root.resolve().as_uri() + f"/{experiment}" if artifact_root else None
+                exp_id = self.client.create_experiment(experiment, artifact_location=location)
+            else:
+                exp_id = exp.experiment_id
             all_tags = dict(tags or {})
             if parent_run_id:
                 all_tags["mlflow.parentRunId"] = parent_run_id
@@ -240,7 +238,7 @@ class MlflowRun:
 
 
 def register_model(uri: str, name: str, run_id: str, artifact_path: str, metric: str, value: float,
-                   alias: str = "champion", source_uri: str | None = None) -> dict[str, Any]:
+                   alias: str = "champion") -> dict[str, Any]:
     """Register a model version; move `alias` to it only when `value` beats the current holder's (recorded in the
     version's tags and description either way). Returns {version, promoted, reason, previous}."""
     client = _client(uri)
@@ -251,7 +249,7 @@ def register_model(uri: str, name: str, run_id: str, artifact_path: str, metric:
     except MlflowException:
         client.create_registered_model(name, description="GRPO policies trained by vime-flow")
     tag_key = mlflow_key(metric)
-    mv = client.create_model_version(name, source=source_uri or f"runs:/{run_id}/{artifact_path}", run_id=run_id,
+    mv = client.create_model_version(name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id,
                                      tags={tag_key: f"{value:.6f}"})
     previous = None
     try:
@@ -274,7 +272,7 @@ def register_model(uri: str, name: str, run_id: str, artifact_path: str, metric:
     return {"version": int(mv.version), "promoted": promoted, "reason": reason, "previous": previous}
 
 
-def download_registered_model(uri_or_spec: str, tracking_uri: str | None = None, dst: Path | None = None) -> Path:
+def download_registered_model(uri_or_spec: str, tracking_uri: str | None = None) -> Path:
     """`models:/<name>@<alias>` or `models:/<name>/<version>` -> local HF checkpoint directory."""
     import json
     import os
@@ -300,11 +298,11 @@ def download_registered_model(uri_or_spec: str, tracking_uri: str | None = None,
         raise SourceError(f"registry {tracking_uri} has no model {uri_or_spec}: {e.message.splitlines()[0]}") from None
     from vime_core.builtin import cache_dir
 
-    target = dst or cache_dir() / "mlflow-models" / f"{name}-v{mv.version}"
+    target = cache_dir() / "mlflow-models" / f"{name}-v{mv.version}"
     if (target / "config.json").is_file():
         return target
-    mlflow.set_tracking_uri(tracking_uri)
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(target.parent / (target.name + ".dl"))))
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(target.parent / (target.name + ".dl")),
+                                                     tracking_uri=tracking_uri))
     if local.name.endswith(".ref.json"):  # a large export logged by reference
         return Path(json.loads(local.read_text())["path"])
     if not target.exists():

@@ -152,25 +152,26 @@ class Trainer:
 
     def _build(self, model_dir: str, init_checkpoint: str | None) -> None:
         """Policy (and frozen reference) from the HF checkpoint, or the policy from a converted torch_dist one."""
-        import json
-
         from vime_core import megatron_model as mm
-        from vime_core.checkpoint import load_hf_state_dict
+        from vime_core.checkpoint import load_hf_state_dict, read_hf_config
         from vime_core.qwen3_mapping import arch_from_hf_config, hf_to_mcore
 
         t = self.cfg.train
-        self.arch = arch_from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+        self.arch = arch_from_hf_config(read_hf_config(model_dir))
         self.tf_config = mm.transformer_config(
             self.arch, self.cfg.model.dtype, t.tensor_parallel_size, t.expert_parallel_size, t.sequence_parallel,
             on_cpu=self.platform == "cpu",
         )
-        full = hf_to_mcore(load_hf_state_dict(model_dir), self.arch)
+        need_ref = self.cfg.grpo.kl_loss_coef > 0
+        # a converted checkpoint replaces every policy weight: read the HF files only when something uses them
+        full = hf_to_mcore(load_hf_state_dict(model_dir), self.arch) if need_ref or not init_checkpoint else None
         self.module = mm.build_gpt(self.arch, self.tf_config).to(self.device)  # the GPTModel itself
-        mm.load_full_weights(self.module, full, self.arch)
         if init_checkpoint:
             self._load_model(Path(init_checkpoint))
+        else:
+            mm.load_full_weights(self.module, full, self.arch)
         self.ref_model = None
-        if self.cfg.grpo.kl_loss_coef > 0:
+        if need_ref:
             self.ref_model = mm.build_gpt(self.arch, self.tf_config).to(self.device).eval()
             mm.load_full_weights(self.ref_model, full, self.arch)
             self.ref_model.requires_grad_(False)
@@ -308,7 +309,6 @@ class Trainer:
 
     def _optimizer_step(self, samples: list[TrainSample], old: list[torch.Tensor], ref: list[torch.Tensor] | None) -> dict[str, float]:
         g = self.cfg.grpo
-        dp_group = self.ps.get_data_parallel_group()
         # the denominator of the loss is global over data-parallel ranks: samples, or unmasked tokens
         if g.loss_aggregation == "sample_mean":
             denom = float(len(samples) * self.cfg.train.data_parallel_size)
@@ -494,10 +494,10 @@ class Trainer:
 
     # -- bucketed export for the GPU sync strategies (collective over trainer ranks, called in lockstep) ------------
     def begin_weight_export(self, bucket_bytes: int) -> None:
-        from vime_core.megatron_model import iter_full_weights
+        from vime_core.megatron_model import DTYPES, iter_full_weights
         from vime_core.qwen3_mapping import mcore_param_to_hf
 
-        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[self.cfg.model.engine_dtype]
+        dtype = DTYPES[self.cfg.model.engine_dtype]
         named = ((k, v.to(dtype)) for name, full in iter_full_weights(self.module, self.arch)
                  for k, v in mcore_param_to_hf(name, full, self.arch))
         from vime_core.sync import buckets
@@ -567,12 +567,14 @@ class Trainer:
         return float(sum(p.detach().float().abs().sum() for p in self.module.parameters()))
 
     def info(self) -> dict[str, Any]:
+        from vime_core.platform import max_rss_gib
+
         return {
             "rank": self.rank,
             "params": sum(p.numel() for p in self.module.parameters()),
             "step": self.step,
             "device": str(self.device),
-            "max_rss_gib": _max_rss_gib(),
+            "max_rss_gib": max_rss_gib(),
             "max_gpu_mem_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0,
         }
 
@@ -584,12 +586,6 @@ class Trainer:
 
 def _mean(xs: list[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else 0.0
-
-
-def _max_rss_gib() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 # --------------------------------------------------------------------------------------------------------------------
