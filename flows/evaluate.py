@@ -16,6 +16,7 @@ from tasks.download import download_model
 from tasks.evaluate import evaluate, log_evaluation
 from tasks.register import export_hf
 from vime_core.checkpoint import STATE_FILE
+from vime_core.tracking import resolve_tracking_uri
 from vime_core.config import load_config
 
 
@@ -28,7 +29,7 @@ def evaluate_checkpoint(model: str, config_path: str = "configs/tiny-cpu.yaml", 
     if (Path(model) / STATE_FILE).is_file():
         model_dir = export_hf(config, model)
     else:
-        model_dir = download_model(model)["path"]
+        model_dir = download_model(model, resolve_tracking_uri(cfg))["path"]
     metrics = evaluate(config, model_dir)
     log_evaluation(config, metrics, model_dir, None, label=Path(str(model)).name or "model")
     for k, v in sorted(metrics.items()):

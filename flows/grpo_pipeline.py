@@ -23,7 +23,7 @@ from tasks.download import download_dataset, download_model
 from tasks.evaluate import evaluate, log_evaluation
 from tasks.register import export_hf, register_model
 from tasks.tracking import finish_tracking, start_tracking, tracking_target
-from tasks.train import train_grpo
+from tasks.train import start_fresh, train_grpo
 from vime_core.config import load_config
 
 
@@ -34,10 +34,12 @@ def grpo_pipeline(config_path: str = "configs/tiny-cpu.yaml", overrides: list[st
     cfg = load_config(config_path, overrides or [])  # a bad config fails here, before any work
     config = cfg.model_dump(mode="json")
 
-    model = download_model(cfg.model.source)
+    model = download_model(cfg.model.source, tracking_target(cfg)[0])
     for source in [cfg.data.source, *(d.source for d in cfg.eval.datasets)]:
         download_dataset(source)
     run_id = start_tracking(config, model, flow_run.get_name())
+    if cfg.checkpoint.start_fresh:
+        config = start_fresh(config)
     converted = convert_checkpoint(model, str(cfg.output_dir), cfg.model.dtype)
     try:
         trained = train_grpo(config, model, converted, run_id)

@@ -7,13 +7,14 @@ from typing import Any
 from prefect import task
 
 from tasks.common import RETRY_DELAYS, artifact_key, markdown
-from vime_core.sources import SourceError, resolve_dataset, resolve_model
+from vime_core.sources import resolve_dataset, resolve_model
 
 
 @task(name="download-model", retries=2, retry_delay_seconds=RETRY_DELAYS)
-def download_model(source: str) -> dict[str, Any]:
-    """-> {source, path, content_hash}. huggingface_hub's cache (and the builtin cache) make repeats cheap."""
-    r = resolve_model(source)
+def download_model(source: str, tracking_uri: str | None = None) -> dict[str, Any]:
+    """-> {source, path, content_hash}. huggingface_hub's cache (and the builtin cache) make repeats cheap.
+    `tracking_uri`: the MLflow registry of mlflow:// sources."""
+    r = resolve_model(source, tracking_uri)
     markdown("Model", {"source": source, "path": str(r.path), "content hash": r.content_hash}, artifact_key("model", r.content_hash))
     return {"source": source, "path": str(r.path), "content_hash": r.content_hash}
 
@@ -24,4 +25,4 @@ def download_dataset(source: str) -> dict[str, Any]:
     return {"source": source, "path": str(r.path), "content_hash": r.content_hash}
 
 
-__all__ = ["download_model", "download_dataset", "SourceError"]
+__all__ = ["download_model", "download_dataset"]

@@ -11,8 +11,20 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from tasks.common import RETRY_DELAYS, artifact_key, cfg_of, markdown
 from tasks.tracking import tracking_target
+from vime_core.checkpoint import Checkpointer
 from vime_core.loop import run
 from vime_core.tracking import JsonlSink, MlflowRun, MultiSink
+
+
+def start_fresh(config: dict[str, Any]) -> dict[str, Any]:
+    """`checkpoint.start_fresh` in a pipeline: move the old checkpoints aside once, here, and give the train task a
+    config that resumes. Left to the task, every retry would move aside the checkpoints of its own first attempt and
+    train again from step 0 into the same MLflow run."""
+    cfg = cfg_of(config)
+    aside = Checkpointer(cfg.save_dir).move_aside()
+    if aside:
+        print(f"checkpoint.start_fresh: moved {cfg.save_dir} aside to {aside}")
+    return {**config, "checkpoint": {**config["checkpoint"], "start_fresh": False}}
 
 
 @task(name="train-grpo", retries=2, retry_delay_seconds=RETRY_DELAYS)

@@ -90,3 +90,21 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
         ckpt.commit(ckpt.begin(i), i, {"fingerprint_fields": {}})
     assert [p.name for p in ckpt.complete()] == [iter_name(2), iter_name(3)]
     assert json.loads((cfg.save_dir / iter_name(3) / "state.json").read_text())["rollout_id"] == 3
+
+
+def test_pipeline_start_fresh_happens_once_so_a_retried_train_task_resumes(tmp_path):
+    """The pipeline moves old checkpoints aside before the train task; the task gets a resuming config, so a retry
+    continues the checkpoints of its own first attempt instead of moving them aside and restarting at step 0."""
+    from tasks.train import start_fresh
+    from vime_core.loop import resume_point
+
+    old = tiny_config(tmp_path, "checkpoint.start_fresh=true")
+    fake_checkpoint(old, 3)  # left by an earlier pipeline run
+    config = start_fresh(old.model_dump(mode="json"))
+    assert not config["checkpoint"]["start_fresh"]
+    assert [p.name for p in tmp_path.glob("checkpoints.old-*")], "the old checkpoints are kept, renamed"
+    cfg = old.model_validate(config)
+    assert resume_point(cfg) == (None, None)  # the first attempt starts fresh
+    fake_checkpoint(cfg, 1)  # ... writes a checkpoint, then crashes
+    latest, state = resume_point(cfg)  # the retry
+    assert latest == cfg.save_dir / iter_name(1) and state["rollout_id"] == 1

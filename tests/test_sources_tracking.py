@@ -135,6 +135,20 @@ def test_mlflow_source_downloads_the_champion_and_names_missing_aliases(registry
         resolve_model("mlflow://models:/vime-test@nightly-best")
 
 
+def test_mlflow_source_uses_the_given_registry_without_env(registry, dense_model_dir, monkeypatch, tmp_path):
+    """The pipeline passes its config's tracking URI (e.g. the default sqlite store): no MLFLOW_TRACKING_URI needed."""
+    from vime_core.sources import resolve_model
+    from vime_core.tracking import register_model
+
+    uri, root = registry
+    run, path = _logged_run(uri, root, dense_model_dir)
+    register_model(uri, "vime-test", run.run_id, path, "eval/x/pass@1", 0.5)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("VIME_CACHE_DIR", str(tmp_path / "cache"))
+    got = resolve_model("mlflow://models:/vime-test@champion", tracking_uri=uri)
+    assert (got.path / "model.safetensors").read_bytes() == (dense_model_dir / "model.safetensors").read_bytes()
+
+
 def test_unreachable_tracking_server_fails_fast_and_touches_nothing(tmp_path):
     import socket
     import time

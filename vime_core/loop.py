@@ -67,6 +67,7 @@ def prepare(cfg: RunConfig, model_dir: Path | None = None, eval_only: bool = Fal
     from vime_core.platform import detect_platform
     from vime_core.qwen3_mapping import arch_from_hf_config
     from vime_core.sources import resolve_model
+    from vime_core.tracking import resolve_tracking_uri
 
     platform = detect_platform(cfg.cluster.platform)
     if cfg.train.pipeline_parallel_size > 1:
@@ -74,7 +75,7 @@ def prepare(cfg: RunConfig, model_dir: Path | None = None, eval_only: bool = Fal
 
         raise ConfigError("train.pipeline_parallel_size > 1: the trainer runs pipeline stages of 1 only (conversion "
                           "supports PP layouts); use tensor/expert parallelism")
-    model_dir = Path(model_dir) if model_dir else resolve_model(cfg.model.source).path
+    model_dir = Path(model_dir) if model_dir else resolve_model(cfg.model.source, resolve_tracking_uri(cfg)).path
     hf_config = read_hf_config(model_dir)
     check_model_compat(cfg, ModelArch.from_hf_config(hf_config))
     arch_from_hf_config(hf_config)  # raises on architectures the weight mapping does not support

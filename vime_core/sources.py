@@ -54,7 +54,9 @@ def _split_revision(spec: str) -> tuple[str, str | None]:
     return spec, None
 
 
-def resolve_model(source: str) -> Resolved:
+def resolve_model(source: str, tracking_uri: str | None = None) -> Resolved:
+    """A model source -> local HF checkpoint directory and content hash. `tracking_uri`: the MLflow registry that
+    mlflow:// sources are looked up in (default: MLFLOW_TRACKING_URI)."""
     if source.startswith("builtin://"):
         from vime_core.builtin import builtin_model_path
 
@@ -66,7 +68,7 @@ def resolve_model(source: str) -> Resolved:
         repo, rev = _split_revision(source.removeprefix("hf://"))
         path = _hf_snapshot(repo, rev, "model", MODEL_PATTERNS)
     elif source.startswith("mlflow://"):
-        path = _mlflow_model(source.removeprefix("mlflow://"))
+        path = _mlflow_model(source.removeprefix("mlflow://"), tracking_uri)
     elif "://" in source:
         raise SourceError(f"unknown model source scheme in {source!r}; use builtin://, hf://, mlflow:// or a local path")
     else:
@@ -121,10 +123,10 @@ def _hf_snapshot(repo: str, revision: str | None, repo_type: str, patterns: list
         raise SourceError(f"hf://{repo}: the hub refused the download ({e}); check the name, revision and HF_TOKEN") from e
 
 
-def _mlflow_model(uri: str) -> Path:
+def _mlflow_model(uri: str, tracking_uri: str | None) -> Path:
     """`models:/<name>@<alias>` or `models:/<name>/<version>` -> local copy of the registered HF checkpoint."""
     if not uri.startswith("models:/"):
         raise SourceError(f"mlflow://{uri}: expected mlflow://models:/<name>@<alias> or mlflow://models:/<name>/<version>")
     from vime_core.tracking import download_registered_model
 
-    return download_registered_model(uri)
+    return download_registered_model(uri, tracking_uri)
