@@ -264,7 +264,7 @@ def test_tensors_that_do_not_match_the_config_are_named(tmp_path, dense_model_di
 
 @pytest.mark.parametrize("edit, named", [
     (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}), "rope_scaling.rope_type = 'yarn'"),
-    (lambda c: c.update(model_type="llama"), "model_type = 'llama'"),
+    (lambda c: c.update(model_type="llama"), "is not a Qwen3/Qwen3-MoE checkpoint (model_type llama)"),
     (lambda c: c.update(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
     (lambda c: c.pop("hidden_size"), "lacks hidden_size"),
 ])
@@ -334,5 +334,5 @@ def test_cli_errors_are_one_line(tmp_path):
     for named, proc in procs.items():
         _, stderr = proc.communicate(timeout=120)
         lines = stderr.strip().splitlines()
-        assert proc.returncode == 1 and len(lines) == 1 and named in lines[0], stderr
+        assert proc.returncode == 2 and len(lines) == 1 and named in lines[0], stderr
     assert not (tmp_path / "X").exists()

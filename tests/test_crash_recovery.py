@@ -130,6 +130,12 @@ def test_sigkill_anywhere_then_resume(tmp_path, dense_model_dir):
         assert e["prompts"] == want[e["rollout_id"]], f"step {e['rollout_id']} trained other prompts than it should"
         seen.setdefault(e["rollout_id"], e["prompts"])
     assert sorted(seen) == list(range(STEPS)), "a step was skipped"
-    # metrics of the final attempt continue where it resumed
+    # --metrics-out is appended across attempts: nothing of an earlier attempt is lost, every step is there, and
+    # the final attempt's rows continue where it resumed
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["step"] == (resumes[2] or 0) and rows[-1]["step"] == STEPS - 1
+    assert rows[0]["step"] == 0 and rows[-1]["step"] == STEPS - 1
+    assert sorted({r["step"] for r in rows}) == list(range(STEPS))
+    last_attempt = [r["step"] for r in rows][-(STEPS - resumes[2]):]
+    assert last_attempt == list(range(resumes[2], STEPS))
+    # every checkpoint left is intact by its manifest
+    assert all(not Checkpointer.problems(c) for c in ckpt.complete())

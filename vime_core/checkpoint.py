@@ -13,6 +13,9 @@ from typing import Iterable, Mapping
 
 import torch
 
+from vime_core.errors import VimeError
+from vime_core.integrity import check_weights
+
 HF_SIDE_FILES = (
     "config.json",
     "generation_config.json",
@@ -25,7 +28,7 @@ HF_SIDE_FILES = (
 )
 
 
-class ModelFileError(FileNotFoundError):
+class ModelFileError(VimeError, FileNotFoundError):
     """A model directory lacks a file it needs; the message says which and where."""
 
 
@@ -48,6 +51,12 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+def check_model_files(model_dir: str | Path) -> None:
+    """Every weights file of `model_dir` is present and as long as its safetensors header says (headers only:
+    milliseconds, in `prepare`), so a truncated download fails before any actor starts."""
+    check_weights(weight_files(model_dir))
+
+
 def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -64,7 +73,10 @@ def read_hf_config(model_dir: str | Path) -> dict:
     p = Path(model_dir) / "config.json"
     if not p.is_file():
         raise ModelFileError(f"model directory {model_dir} has no config.json")
-    return json.loads(p.read_text())
+    try:
+        return json.loads(p.read_text())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ModelFileError(f"{p} is not valid JSON ({type(e).__name__}: {str(e)[:100]}); download or copy the model again") from None
 
 
 def save_hf_checkpoint(tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,
@@ -111,7 +123,7 @@ META_FILE = "vime_meta.json"
 HF_CONFIG_DIR = "hf_config"  # config + tokenizer kept next to torch_dist weights, for export without the source
 
 
-class ConversionError(RuntimeError):
+class ConversionError(VimeError, RuntimeError):
     """A conversion failed; the message names the tensor, field or rank that failed."""
 
 
@@ -182,6 +194,9 @@ def _rank_entry(fn_name: str, rank: int, world: int, port: int, queue, args: tup
     import traceback
     import warnings
 
+    from vime_core.orphans import die_with_parent
+
+    die_with_parent()  # a killed `vime convert` / conversion task takes its ranks with it
     for category in (UserWarning, FutureWarning, DeprecationWarning):  # library noise about absent optional packages
         warnings.simplefilter("ignore", category)
     try:
@@ -199,7 +214,14 @@ def _init_rank(rank: int, world: int, port: int, tp: int, pp: int, ep: int) -> N
     apply_offline_env()
     apply_megatron_cpu_shims()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from datetime import timedelta
+
+    from vime_core.cluster import tcp_store
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks are local: gloo's sockets on loopback too
+    timeout = timedelta(minutes=30)
+    dist.init_process_group("gloo", store=tcp_store("127.0.0.1", port, rank, world, timeout), rank=rank, world_size=world,
+                            timeout=timeout)  # torch's own store would listen on every interface
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -223,7 +245,7 @@ def _hf_to_dist_rank(rank, world, port, queue, hf_dir: str, out_tmp: str, tp: in
     from vime_core.qwen3_mapping import arch_from_hf_config, hf_to_mcore
 
     _init_rank(rank, world, port, tp, pp, ep)
-    arch = arch_from_hf_config(read_hf_config(hf_dir))
+    arch = arch_from_hf_config(read_hf_config(hf_dir), where=hf_dir)
     hf = load_hf_state_dict(hf_dir)
     if rank == 0:
         queue.put(("progress", 1))
@@ -252,7 +274,7 @@ def convert_hf_to_torch_dist(hf_dir: str | Path, out_dir: str | Path, tp: int = 
     from vime_core.sources import content_hash
 
     hf_dir, out = Path(hf_dir), Path(out_dir)
-    arch = arch_from_hf_config(read_hf_config(hf_dir))
+    arch = arch_from_hf_config(read_hf_config(hf_dir), where=hf_dir)
     problems = _layout_problems(arch, tp, pp, ep)
     if problems:
         raise ConversionError(f"layout tp={tp} pp={pp} ep={ep} does not fit {hf_dir}: " + "; ".join(problems))
@@ -345,7 +367,7 @@ def convert_torch_dist_to_hf(ckpt_dir: str | Path, out_dir: str | Path, hf_confi
     cfg_dir = Path(hf_config_dir) if hf_config_dir else _find_hf_config(ckpt)
     from vime_core.qwen3_mapping import arch_from_hf_config
 
-    arch_from_hf_config(read_hf_config(cfg_dir))  # fail fast on a missing or unsupported config
+    arch_from_hf_config(read_hf_config(cfg_dir), where=cfg_dir)  # fail fast on a missing or unsupported config
     meta = converted_meta(ckpt) or converted_meta(ckpt.parent) or {}
     dtype = dtype or meta.get("dtype", "float32")
     out = Path(out_dir)
@@ -410,119 +432,17 @@ def check_torch_dist_matches(ckpt_dir: str | Path, model) -> None:
 
 
 # ====================================================================================================================
-# training checkpoints: <save_dir>/iter_<rollout_id>/{model/, optimizer/, rng/, state.json, hf_config/}
+# training checkpoints: see vime_core/resume.py
 # ====================================================================================================================
-LATEST = "latest"
-STATE_FILE = "state.json"
-
-
-class ResumeError(RuntimeError):
-    """A checkpoint cannot be resumed; the message names the differences and the way to start fresh."""
-
-
-def iter_name(rollout_id: int) -> str:
-    return f"iter_{rollout_id:07d}"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    tmp.write_text(text)
-    with open(tmp) as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-class Checkpointer:
-    """Owns the save directory: complete checkpoints only ever appear by a directory rename, `latest` is replaced
-    after it, and `keep_last` old ones are pruned after that. An interrupted save leaves a `*.tmp-*` directory that
-    is never picked and is cleaned up by the next save."""
-
-    def __init__(self, save_dir: str | Path, keep_last: int = 2):
-        self.dir = Path(save_dir)
-        self.keep_last = keep_last
-
-    # -- writing --------------------------------------------------------------------------------------------------------
-    def begin(self, rollout_id: int) -> Path:
-        """A fresh temporary directory for the save of `rollout_id` (stale temporaries are removed)."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.glob("iter_*.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = self.dir / f"{iter_name(rollout_id)}.tmp-{os.getpid()}"
-        tmp.mkdir()
-        return tmp
-
-    def commit(self, tmp: Path, rollout_id: int, state: dict) -> Path:
-        delay = float(os.environ.get("VIME_TEST_CHECKPOINT_DELAY_S", "0"))  # test hook: widen the crash window
-        if delay:
-            import time
-
-            time.sleep(delay)
-        (tmp / STATE_FILE).write_text(json.dumps({**state, "rollout_id": rollout_id}, indent=2, default=str))
-        final = self.dir / iter_name(rollout_id)
-        if final.exists():  # a redo of a step after a crash: the new one replaces it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _atomic_write(self.dir / LATEST, iter_name(rollout_id))
-        self._prune()
-        return final
-
-    def _prune(self) -> None:
-        done = self.complete()
-        for old in done[: max(0, len(done) - self.keep_last)]:
-            shutil.rmtree(old, ignore_errors=True)
-
-    # -- reading --------------------------------------------------------------------------------------------------------
-    def complete(self) -> list[Path]:
-        if not self.dir.is_dir():
-            return []
-        return sorted(p for p in self.dir.glob("iter_*") if p.is_dir() and ".tmp-" not in p.name and (p / STATE_FILE).is_file())
-
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint: `latest` if it names one, else the highest complete iteration."""
-        pointer = self.dir / LATEST
-        if pointer.is_file():
-            cand = self.dir / pointer.read_text().strip()
-            if (cand / STATE_FILE).is_file():
-                return cand
-        done = self.complete()
-        return done[-1] if done else None
-
-    @staticmethod
-    def read_state(ckpt: Path) -> dict:
-        return json.loads((ckpt / STATE_FILE).read_text())
-
-    def move_aside(self) -> Path | None:
-        """`checkpoint.start_fresh`: keep the old checkpoints, renamed with a timestamp, and start empty."""
-        if not self.dir.exists() or not any(self.dir.iterdir()):
-            return None
-        import time
-
-        aside = self.dir.with_name(self.dir.name + time.strftime(".old-%Y%m%d-%H%M%S"))
-        os.replace(self.dir, aside)
-        return aside
-
-
-def fingerprint_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """Dotted fields whose values differ between two fingerprint dicts, as 'field: saved -> current'."""
-    out = []
-    for key in sorted(set(saved) | set(current)):
-        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
-        name = f"{prefix}{key}"
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += fingerprint_differences(a, b, name + ".")
-        elif a != b:
-            out.append(f"{name}: {a!r} -> {b!r}")
-    return out
-
-
-def check_resumable(state: dict, cfg) -> None:
-    diffs = fingerprint_differences(state.get("fingerprint_fields", {}), cfg.fingerprint_fields())
-    if diffs:
-        raise ResumeError(
-            f"the checkpoint in {cfg.save_dir} was written by a run with different settings, so resuming would not "
-            f"continue that run: {'; '.join(diffs)}. Restore those settings to resume, or start fresh with "
-            f"--set checkpoint.start_fresh=true (the old checkpoints are kept, renamed) or another output_dir."
-        )
+from vime_core.resume import (  # noqa: E402,F401  (re-exported: callers import them from here)
+    LATEST,
+    STATE_FILE,
+    Checkpointer,
+    ResumeError,
+    check_resumable,
+    fingerprint_differences,
+    iter_name,
+)
 
 
 def read_torch_dist_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:

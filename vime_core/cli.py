@@ -14,7 +14,43 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="vime-flow: GRPO post-training of Qwen3 (megatron-core + vLLM + Ray).")
+
+class _VimeTyper(typer.Typer):
+    """The `vime` app: a project error (`VimeError`) anywhere below prints one line and exits 2; `--debug` (anywhere
+    on the command line) or VIME_DEBUG=1 shows its traceback instead."""
+
+    def __call__(self, *args, **kwargs):
+        from vime_core.errors import debug_requested
+
+        debug = debug_requested(sys.argv)
+        sys.argv[:] = [a for a in sys.argv if a != "--debug"]
+        try:
+            return super().__call__(*args, **kwargs)
+        except Exception as e:
+            code = user_error_exit(e, debug)
+            if code is None:
+                raise
+            sys.exit(code)
+
+
+def user_error_exit(e: BaseException, debug: bool) -> int | None:
+    """Print a project error (also one raised inside a Ray actor) as one red line on stderr and return its exit code;
+    None when `e` is not a project error or `debug` asks for the traceback."""
+    from rich.markup import escape
+
+    from vime_core.errors import VimeError, one_line
+
+    cause = getattr(e, "cause", None)  # ray.exceptions.RayTaskError carries the actor's exception
+    user = cause if isinstance(cause, VimeError) else e
+    if debug or not isinstance(user, VimeError):
+        return None
+    name, _, text = one_line(user).partition(": ")
+    err.print(f"[red]{name}[/red]: {escape(text)}  (--debug shows the traceback)", highlight=False, soft_wrap=True)
+    return user.exit_code
+
+
+app = _VimeTyper(add_completion=False, no_args_is_help=True, help="vime-flow: GRPO post-training of Qwen3 (megatron-core + vLLM + Ray). "
+                 "Add --debug anywhere to see the traceback of an error.")
 config_app = typer.Typer(no_args_is_help=True, help="Inspect configurations.")
 builtin_app = typer.Typer(no_args_is_help=True, help="The embedded default model and data.")
 app.add_typer(config_app, name="config")
@@ -36,13 +72,9 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _load(config: Optional[Path], overrides: list[str]):
-    from vime_core.config import ConfigError, load_config
+    from vime_core.config import load_config
 
-    try:
-        return load_config(config, overrides)
-    except ConfigError as e:
-        err.print(f"[red]config error[/red]: {e}", markup=True, highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
+    return load_config(config, overrides)  # a ConfigError is printed by _VimeTyper: one line, exit 2
 
 
 @config_app.command("show")
@@ -68,21 +100,25 @@ def _step_line(i: int, total: int, m: dict[str, float]) -> str:
 def train(
     config: Path = typer.Option(Path("configs/tiny-cpu.yaml"), "--config", "-c", help="YAML config."),
     overrides: list[str] = SetOption,
-    metrics_out: Optional[Path] = typer.Option(None, "--metrics-out", help="Write one JSON object per rollout step here."),
+    metrics_out: Optional[Path] = typer.Option(None, "--metrics-out", help="Write one JSON object per rollout step here; a "
+                                               "resumed run appends (a step redone after a crash appears again: the last row of a step wins)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show engine logs."),
 ) -> None:
     """Run the GRPO loop (rollout -> train -> sync) directly, without Prefect."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from vime_core.config import ConfigError
     from vime_core.loop import run
-    from vime_core.tracking import JsonlSink, MemorySink, MultiSink
+    from vime_core.orphans import start_watchdog
+    from vime_core.tracking import MemorySink, MultiSink
 
     _setup_logging(verbose)
     cfg = _load(config, overrides)
-    sink = MultiSink(MemorySink(), JsonlSink(metrics_out) if metrics_out else None)
+    start_watchdog()  # a SIGKILLed `vime train` takes Ray's processes and the actors' helpers with it
+    mlflow_run, run_state = tracking_sink(cfg)
+    sink = MultiSink(MemorySink(), metrics_file_sink(cfg, metrics_out) if metrics_out else None, mlflow_run)
     total = cfg.rollout.num_rollout
-    with Progress(TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True) as bar:
+    with Progress(TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("eta"),
+                  TimeRemainingColumn(), console=console, transient=True) as bar:
         task = bar.add_task("train", total=total)
 
         def on_step(i: int, m: dict[str, float]) -> None:
@@ -90,12 +126,16 @@ def train(
             bar.update(task, completed=i + 1)
 
         try:
-            result = run(cfg, sink, on_step=on_step)
-        except ConfigError as e:
-            err.print(f"[red]config error[/red]: {e}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            result = run(cfg, sink, on_step=on_step, run_state=run_state)
+        except BaseException as e:
+            if mlflow_run:
+                mlflow_run.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+            raise
         finally:
             sink.close()
+    if mlflow_run:
+        mlflow_run.end("FINISHED")
+        console.print(f"MLflow run {mlflow_run.run_id} in {run_state['tracking_uri']}", highlight=False, soft_wrap=True)
     for name, value in sorted(result.baseline_eval.items()):
         if "pass@" in name:
             console.print(f"baseline {name} = {value:.3f}  ->  final {result.final_eval.get(name, float('nan')):.3f}", highlight=False)
@@ -104,6 +144,65 @@ def train(
                       f"vLLM engine {max(i['max_rss_gib'] for i in result.engine_info):.2f} GiB", highlight=False)
     if result.steps_done == 0:
         console.print(f"nothing to train: {result.resumed_from} already covers rollout.num_rollout", highlight=False)
+
+
+def resume_state(cfg) -> dict | None:
+    """The state of the checkpoint this run will resume from (None for a fresh start). Reads only (a damaged
+    checkpoint is set aside by `latest`, as the loop would)."""
+    from vime_core.checkpoint import Checkpointer
+
+    if cfg.checkpoint.start_fresh or not cfg.checkpoint.resume:
+        return None
+    ckpt = Checkpointer(cfg.save_dir)
+    latest = ckpt.latest()
+    return ckpt.read_state(latest) if latest else None
+
+
+def metrics_file_sink(cfg, path: Path):
+    """--metrics-out: a resumed run appends to the file; a fresh start keeps an older non-empty file, renamed."""
+    import time
+
+    from vime_core.tracking import JsonlSink
+
+    if resume_state(cfg) is None and path.is_file() and path.stat().st_size:
+        aside = path.with_name(path.name + time.strftime(".old-%Y%m%d-%H%M%S"))
+        os.replace(path, aside)
+        err.print(f"--metrics-out: a fresh start; the earlier {path} is kept as {aside}", highlight=False, soft_wrap=True)
+    return _OpenOnFirstRow(lambda: JsonlSink(path, append=True))
+
+
+class _OpenOnFirstRow:
+    """A sink opened at its first row: checkpoint.start_fresh may move output_dir/metrics.jsonl aside after the CLI
+    made its sink, and the rows must go to the new file, not follow the renamed one."""
+
+    def __init__(self, make):
+        self.make, self.sink = make, None
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if self.sink is None:
+            self.sink = self.make()
+        self.sink.log_metrics(step, metrics)
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
+
+
+def tracking_sink(cfg):
+    """tracking.enabled: an MLflow run (the one the resumed checkpoint logged to, else a new one) as a metrics sink,
+    and the run state stored in checkpoints; (None, None) when tracking is off. An unreachable store fails here."""
+    if not cfg.tracking.enabled:
+        return None, None
+    from vime_core.config import flatten
+    from vime_core.tracking import MlflowRun, resolve_tracking_uri, safe_params
+
+    uri = resolve_tracking_uri(cfg)
+    run_id = ((resume_state(cfg) or {}).get("run_state") or {}).get("mlflow_run_id")
+    run = MlflowRun(uri, cfg.tracking.experiment or cfg.name, run_name=f"{cfg.name}-train", run_id=run_id,
+                    tags={"vime.config": cfg.name, "vime.entry": "vime train"},
+                    artifact_root=cfg.output_dir.resolve().parent / "mlartifacts")
+    run.log_params(safe_params(flatten(cfg)))
+    return run, {"mlflow_run_id": run.run_id, "tracking_uri": uri}
 
 
 @builtin_app.command("build")
@@ -129,19 +228,10 @@ class Dtype(str, Enum):
 
 @contextmanager
 def _conversion_errors():
-    """Known conversion failures -> one red line on stderr and exit code 1 (the first line: rank errors add a traceback)."""
-    from rich.markup import escape
-
-    from vime_core.checkpoint import ConversionError, ModelFileError
-    from vime_core.qwen3_mapping import CheckpointMismatchError, UnsupportedModelError
-    from vime_core.sources import SourceError
-
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")  # the rank processes' import-time warnings (no apex, no TE)
-    try:
-        yield
-    except (ConversionError, UnsupportedModelError, CheckpointMismatchError, ModelFileError, SourceError) as e:
-        err.print(f"[red]{type(e).__name__}[/red]: {escape(str(e).strip().splitlines()[0])}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
+    """Conversion failures are project errors (one line, exit 2: see _VimeTyper); the rank processes' import-time
+    warnings (no apex, no TE) are silenced."""
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    yield
 
 
 @convert_app.command("hf-to-megatron")

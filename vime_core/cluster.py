@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import socket
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vime_core.config import RunConfig
+from vime_core.errors import ActorTimeoutError, VimeError
+from vime_core.orphans import remove_on_death
 from vime_core.platform import LOCAL_RAY_ENV, apply_offline_env, raise_fd_limit, worker_env
 
 log = logging.getLogger(__name__)
@@ -24,28 +29,58 @@ log = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 180
 
 
-class ClusterError(RuntimeError):
+class ClusterError(VimeError, RuntimeError):
     """Ray could not give us what the config asks for; the message says what was missing."""
 
 
+# A local run exposes nothing beyond 127.0.0.1. Ray 2.60 reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is
+# imported: with it at 0 the node IP is 127.0.0.1 and gcs, raylet, workers, agents and monitor listen there only;
+# without it `_node_ip_address="127.0.0.1"` is resolved back to eth0 and most of them listen on every interface
+# (measured with `ss -ltnp`: 16 sockets on `*`, 0.0.0.0 or eth0 before, none after). vLLM's distributed init uses
+# VLLM_HOST_IP; gloo and NCCL pick their interface by name. Never set in a process that joins a cluster.
+LOOPBACK_ENV = {
+    **LOCAL_RAY_ENV,
+    "VLLM_HOST_IP": "127.0.0.1",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "NCCL_SOCKET_IFNAME": "lo",
+}
+
+
+@dataclass
+class _LocalRay:
+    """What a local Ray of this process left on disk, removed by `shutdown_ray`."""
+
+    session_dir: Path | None = None
+    preexisting: frozenset[int] = frozenset()  # our children before ray.init (e.g. vime-pipeline's Prefect server)
+    tmp_dir: Path | None = None  # the actors' TMPDIR (vLLM's vllm_dist_* stores, multiprocessing's pymp-* dirs)
+    env_set: tuple[str, ...] = ()
+
+
+_local = _LocalRay()
+
+
 def init_ray(cfg: RunConfig, platform: str) -> None:
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():
+        return
+    address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        _local.env_set = tuple(k for k in LOOPBACK_ENV if k not in os.environ)
+        os.environ.update({k: LOOPBACK_ENV[k] for k in _local.env_set})  # before `import ray`: see LOOPBACK_ENV
     import ray
 
-    if ray.is_initialized():
-        return
     apply_offline_env()
     _write_ray_bootstrap_config()
     raise_fd_limit(gpu=platform != "cpu")
-    address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")
     env = {"env_vars": {k: v for k, v in worker_env(platform, None).items() if k != "CUDA_VISIBLE_DEVICES"}}
     if address:
         log.info("joining Ray cluster at %s", address)
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return
-    cpus = cfg.cluster.num_cpus or max(4, os.cpu_count() or 1)
-    for k, v in LOCAL_RAY_ENV.items():
-        os.environ.setdefault(k, v)
-    ray.init(
+    _loopback_node_ip()
+    cpus = local_cpus(cfg)
+    _local.tmp_dir = _actors_tmp_dir()
+    _local.preexisting = frozenset(p.pid for p in _descendants())
+    ctx = ray.init(
         num_cpus=cpus,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
@@ -53,13 +88,71 @@ def init_ray(cfg: RunConfig, platform: str) -> None:
         log_to_driver=True,
         configure_logging=False,
     )
+    _local.session_dir = Path(ctx.address_info["session_dir"])
+    if os.environ.get("VIME_KEEP_RAY_SESSION", "") in ("", "0"):
+        remove_on_death(_local.session_dir)
+    remove_on_death(_local.tmp_dir)  # a SIGKILLed run cannot call shutdown_ray: its watchdog removes them
+
+
+def _loopback_node_ip() -> None:
+    """Ray was imported before init_ray set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER (a test, a flow importing it early):
+    its import-time constant says 'cluster', which resolves 127.0.0.1 to eth0. Correct the constant."""
+    from ray._private import ray_constants  # Ray has no public switch for this
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def local_cpus(cfg: RunConfig) -> int:
+    return cfg.cluster.num_cpus or max(4, os.cpu_count() or 1)
 
 
 def shutdown_ray() -> None:
+    """Stop Ray; for a local one also remove its session dir under /tmp/ray (logs: set VIME_KEEP_RAY_SESSION=1 to
+    keep them) and the actors' temporary dir, and restore the loopback variables."""
     import ray
 
+    ray_procs = _ray_descendants() if _local.session_dir else []
     if ray.is_initialized():
         ray.shutdown()
+    if ray_procs:  # they still write logs and sockets for a moment after ray.shutdown() returns
+        import psutil
+
+        _, left = psutil.wait_procs(ray_procs, timeout=10)
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+    keep = os.environ.get("VIME_KEEP_RAY_SESSION", "") not in ("", "0")
+    for path in (_local.tmp_dir, None if keep else _local.session_dir):
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+    latest = Path(_local.session_dir or "/nonexistent").parent / "session_latest"
+    if not keep and latest.is_symlink() and not latest.exists():
+        latest.unlink(missing_ok=True)
+    for k in _local.env_set:
+        os.environ.pop(k, None)
+    _local.session_dir = _local.tmp_dir = None
+    _local.env_set, _local.preexisting = (), frozenset()
+
+
+def _descendants() -> list:
+    try:
+        import psutil
+
+        return psutil.Process().children(recursive=True)
+    except Exception:  # psutil missing or the process tree changed under us
+        return []
+
+
+def _ray_descendants() -> list:
+    """The descendants started since ray.init, except the orphan watchdog: a local Ray's gcs, raylet, agents and
+    workers. Children that existed before (vime-pipeline's temporary Prefect server) are not Ray's to stop: killing
+    it made the train task loop on `Connection refused`."""
+    from vime_core.orphans import watchdog_pid
+
+    skip = _local.preexisting | {watchdog_pid()}
+    return [p for p in _descendants() if p.pid not in skip]
 
 
 def _write_ray_bootstrap_config() -> None:
@@ -90,6 +183,37 @@ class Placement:
         return [int(self.bundle_devices[b]) for b in bundles] if self.gpu else []
 
 
+def placement_problem(cfg: RunConfig, platform: str, have_cpus: float, have_gpus: float, engines_only: bool = False) -> str | None:
+    """Why the bundles of `cfg` cannot fit into `have_cpus` / `have_gpus`, or None: one bundle of one device (GPU, or
+    a logical CPU on the CPU platform) per trainer rank, and per engine device unless colocated."""
+    n_train = 0 if engines_only else cfg.train.num_devices
+    colocate = cfg.cluster.colocate and not engines_only
+    need = n_train if colocate else n_train + cfg.rollout_devices
+    what = (f"train.num_devices = {n_train}" + ("" if colocate else f" + rollout.num_engines x engine_tensor_parallel_size "
+            f"= {cfg.rollout_devices}") + (" (colocated)" if colocate else ""))
+    if platform != "cpu" and need > have_gpus:
+        return f"{what} needs {need} GPU(s); this cluster has {have_gpus:g}. Lower those sizes or set cluster.colocate=true"
+    if need > have_cpus:
+        fix = "Raise cluster.num_cpus (logical CPUs of the local Ray) or lower those sizes" if platform == "cpu" else "Add CPUs"
+        return f"{what} needs {need} CPU(s) for its bundles; Ray has {have_cpus:g}. {fix}"
+    return None
+
+
+def check_local_fit(cfg: RunConfig, platform: str, engines_only: bool = False) -> None:
+    """Before any actor (in `prepare`): a local Ray must be able to hold the placement, else it would wait
+    PLACEMENT_TIMEOUT_S (180 s) for resources that never come. A joined cluster is checked in make_placement."""
+    if cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS"):
+        return
+    gpus = 0
+    if platform != "cpu":
+        from vime_core.platform import device_facts
+
+        gpus = device_facts(platform).count  # type: ignore[arg-type]
+    problem = placement_problem(cfg, platform, local_cpus(cfg), gpus, engines_only)
+    if problem:
+        raise ClusterError(problem)
+
+
 def make_placement(cfg: RunConfig, platform: str, engines_only: bool = False) -> Placement:
     """One bundle per device (see module doc); `engines_only` for evaluation without a trainer."""
     import ray
@@ -103,6 +227,10 @@ def make_placement(cfg: RunConfig, platform: str, engines_only: bool = False) ->
     first_engine_bundle = 0 if colocate else n_train
     bundles = [dict(unit) for _ in range(n_train if colocate else n_train + n_roll)]
     engine_b = [list(range(first_engine_bundle + e * tp, first_engine_bundle + (e + 1) * tp)) for e in range(cfg.rollout.num_engines)]
+    have = ray.cluster_resources()
+    problem = placement_problem(cfg, platform, have.get("CPU", 0), have.get("GPU", 0), engines_only)
+    if problem:  # an autoscaling cluster may still grow: say so and wait
+        log.warning("%s; waiting up to %d s for the cluster to grow", problem, PLACEMENT_TIMEOUT_S)
     pg = placement_group(bundles, strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
@@ -125,7 +253,8 @@ def _bundle_gpus(p: Placement, n: int) -> list[str]:
     def gpu_id() -> str:
         return str(ray.get_gpu_ids()[0])
 
-    return ray.get([gpu_id.options(scheduling_strategy=_strategy(p, b)).remote() for b in range(n)])
+    refs = [gpu_id.options(scheduling_strategy=_strategy(p, b)).remote() for b in range(n)]
+    return gather(refs, [f"the GPU probe of bundle {b}" for b in range(n)], "its start", PLACEMENT_TIMEOUT_S, "cluster.PLACEMENT_TIMEOUT_S")
 
 
 def _strategy(p: Placement, bundle: int):
@@ -141,7 +270,23 @@ def _actor_env(platform: str, device_ids: list[int]) -> dict[str, str]:
     if platform == "cpu":
         # Ray sets OMP_NUM_THREADS=1 for 1-CPU actors; trainer and engines take turns, so each may use every core
         env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+    if _local.tmp_dir is not None:
+        # temporary files of the actors (vllm_dist_*, pymp-*) go to a dir that shutdown_ray removes, even when Ray
+        # kills the actors before their own cleanup runs (see _actors_tmp_dir for torch's compile cache)
+        env["TMPDIR"] = str(_local.tmp_dir)
     return env
+
+
+def _actors_tmp_dir() -> Path:
+    """The actors' TMPDIR. torch's compile cache and precompiled headers live in $TMPDIR/torchinductor_<user>: a
+    link to the shared one keeps them across runs (rmtree removes the link, not what it points to)."""
+    import getpass
+
+    d = Path(tempfile.mkdtemp(prefix="vime-actors-"))
+    shared = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+    shared.mkdir(exist_ok=True)
+    (d / shared.name).symlink_to(shared, target_is_directory=True)
+    return d
 
 
 def _share(p: Placement) -> float:
@@ -192,7 +337,8 @@ def master_address(p: Placement, bundle: int) -> tuple[str, int]:
             s.bind((ip, 0))
             return ip, s.getsockname()[1]
 
-    return ray.get(probe.options(scheduling_strategy=_strategy(p, bundle)).remote())
+    ref = probe.options(scheduling_strategy=_strategy(p, bundle)).remote()
+    return gather([ref], [f"the address probe of bundle {bundle}"], "its start", PLACEMENT_TIMEOUT_S, "cluster.PLACEMENT_TIMEOUT_S")[0]
 
 
 def create_trainers(cfg: RunConfig, p: Placement, platform: str, model_dir: str, init_checkpoint: str | None = None) -> list[Any]:
@@ -216,14 +362,51 @@ def create_trainers(cfg: RunConfig, p: Placement, platform: str, model_dir: str,
     return actors
 
 
-def wait_ready(trainers: list[Any], engines: list[Any]) -> None:
+def wait_ready(trainers: list[Any], engines: list[Any], timeout_s: float | None = None) -> None:
     """Wait for trainers and engines together (they start concurrently); a failure names the actor that failed."""
     import ray
 
     pending = {a.info.remote(): f"trainer rank {i}" for i, a in enumerate(trainers)}
     pending |= {e.ready.remote(): f"vLLM engine {i}" for i, e in enumerate(engines)}
+    waited = list(pending)
+    if timeout_s is not None:
+        _, late = ray.wait(waited, num_returns=len(waited), timeout=timeout_s)
+        if late:
+            raise ActorTimeoutError(f"{', '.join(pending[r] for r in late)} did not start within {timeout_s:g} s "
+                                    f"(rollout.timeout_s / train.timeout_s); see the actor's log above")
     for ref, who in pending.items():
         try:
             ray.get(ref)
         except Exception as e:
             raise ClusterError(f"{who} failed to start: {e}") from e
+
+
+def gather(refs: list, who: list[str], doing: str, timeout_s: float | None, setting: str) -> list:
+    """`ray.get(refs)`, but a call that does not finish within `timeout_s` raises ActorTimeoutError naming the
+    actor(s) still busy (`who[i]` for `refs[i]`), what they were doing and the setting that bounds it."""
+    import ray
+
+    if timeout_s is not None and refs:
+        _, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        if late:
+            names = [w for r, w in zip(refs, who) if r in set(late)]
+            raise ActorTimeoutError(
+                f"{', '.join(names)} did not finish {doing} within {timeout_s:g} s ({setting}): the actor is hung or "
+                f"far slower than expected; check its log above, or raise {setting}"
+            )
+    return ray.get(list(refs))
+
+
+def tcp_store(addr: str, port: int, rank: int, world: int, timeout):
+    """The torch.distributed rendezvous store of the trainer ranks, listening on `addr` only (127.0.0.1 locally,
+    the node's IP in a cluster): torch's own TCPStore server listens on every interface, and it has no
+    authentication. Rank 0 hands torch a socket already bound to `addr`."""
+    import torch.distributed as dist
+
+    if rank != 0:
+        return dist.TCPStore(addr, port, world, False, timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((addr, port))
+    sock.listen(max(128, world))
+    return dist.TCPStore(addr, port, world, True, timeout, master_listen_fd=sock.detach())  # the store owns the fd

@@ -13,6 +13,8 @@ import resource
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
+from vime_core.errors import VimeError
+
 log = logging.getLogger(__name__)
 
 PlatformName = Literal["cpu", "cuda", "rocm"]
@@ -40,7 +42,7 @@ NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 NOSET_HIP = "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"
 
 
-class PlatformError(RuntimeError):
+class PlatformError(VimeError, RuntimeError):
     """The platform or its environment cannot run what was asked."""
 
 

@@ -16,18 +16,21 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
+from vime_core.errors import VimeError
+
 Tensor = torch.Tensor
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(VimeError, ValueError):
     """The HF config describes something this mapping does not handle; the message names the field."""
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(VimeError, ValueError):
     """The checkpoint's tensors do not match what the config says; the message names the tensors."""
 
 
@@ -58,11 +61,13 @@ class Qwen3Arch:
         return self.num_heads // self.num_kv_heads
 
 
-def arch_from_hf_config(hf: Mapping[str, Any]) -> Qwen3Arch:
-    """Read a Qwen3 / Qwen3-MoE config.json; anything the mapping does not support raises with the field named."""
+def arch_from_hf_config(hf: Mapping[str, Any], where: str | Path | None = None) -> Qwen3Arch:
+    """Read a Qwen3 / Qwen3-MoE config.json (of the model at `where`, for messages); anything the mapping does not
+    support raises with the field named."""
     model_type = hf.get("model_type")
     if model_type not in ("qwen3", "qwen3_moe"):
-        raise UnsupportedModelError(f"config.json model_type = {model_type!r}: only qwen3 and qwen3_moe are supported")
+        raise UnsupportedModelError(f"model {where or '(config.json)'} is not a Qwen3/Qwen3-MoE checkpoint (model_type "
+                                    f"{model_type}); vime-flow trains model_type qwen3 and qwen3_moe only")
     if hf.get("attention_bias"):
         raise UnsupportedModelError("config.json attention_bias = true is not supported (Qwen3 has no attention bias)")
     if hf.get("hidden_act", "silu") != "silu":

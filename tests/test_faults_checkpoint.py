@@ -1,0 +1,242 @@
+"""Checkpoint faults without engines: damaged checkpoints (truncated shard, optimizer file, state.json, missing rng/,
+a garbage `latest`), a kill in the middle of pruning, fsync before the rename, and a full disk."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_config
+from vime_core.checkpoint import Checkpointer, ResumeError, iter_name
+from vime_core.errors import DiskSpaceError
+from vime_core.integrity import MANIFEST
+
+
+def fake_save(ckpt: Checkpointer, rollout_id: int, size: int = 4096) -> Path:
+    """What a real save leaves: model/, optimizer/ and rng/ files, then state.json and the manifest (via commit)."""
+    tmp = ckpt.begin(rollout_id)
+    for rel in ("model/__0_0.distcp", "model/.metadata", "optimizer/rank_00000.pt", "rng/rank_00000.pt"):
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / rel).write_bytes(os.urandom(size))
+    return ckpt.commit(tmp, rollout_id, {"fingerprint_fields": {}, "data_buffer": {}})
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path):
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep_last=5)
+    fake_save(ckpt, 1)
+    fake_save(ckpt, 3)
+    return ckpt
+
+
+def truncate(p: Path) -> None:
+    p.write_bytes(p.read_bytes()[:100])
+
+
+def flip_a_byte(p: Path) -> None:
+    b = bytearray(p.read_bytes())
+    b[len(b) // 2] ^= 0xFF
+    p.write_bytes(bytes(b))
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda d: truncate(d / "model" / "__0_0.distcp"), "model/__0_0.distcp has 100 bytes, 4,096 were written"),
+    (lambda d: truncate(d / "optimizer" / "rank_00000.pt"), "optimizer/rank_00000.pt has 100 bytes"),
+    (lambda d: flip_a_byte(d / "optimizer" / "rank_00000.pt"), "optimizer/rank_00000.pt is damaged (checksum mismatch)"),
+    (lambda d: (d / "state.json").write_text('{"rollout_id": 3, "data_bu'), "state.json is unreadable (JSONDecodeError)"),
+    (lambda d: (d / "state.json").write_bytes(b"\xff\xfe\x00garbage"), "state.json is unreadable (UnicodeDecodeError)"),
+    (lambda d: [p.unlink() for p in (d / "rng").iterdir()] and (d / "rng").rmdir(), "rng/rank_00000.pt is missing"),
+    (lambda d: (d / MANIFEST).write_text("{not json"), "manifest.json is unreadable"),
+])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(two_checkpoints, caplog, damage, named):
+    ckpt = two_checkpoints
+    damage(ckpt.dir / iter_name(3))
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.latest() == ckpt.dir / iter_name(1)
+    assert named in caplog.text and iter_name(3) in caplog.text
+    kept = [p.name for p in ckpt.dir.iterdir() if ".damaged-" in p.name]
+    assert len(kept) == 1 and kept[0].startswith(iter_name(3)), "the damaged checkpoint is kept, renamed"
+    assert [p.name for p in ckpt.complete()] == [iter_name(1)]
+
+
+def test_an_intact_checkpoint_is_used_as_is(two_checkpoints, caplog):
+    with caplog.at_level(logging.WARNING):
+        assert two_checkpoints.latest() == two_checkpoints.dir / iter_name(3)
+    assert "damaged" not in caplog.text
+
+
+def test_a_garbage_latest_pointer_is_named_and_ignored(two_checkpoints, caplog):
+    (two_checkpoints.dir / "latest").write_bytes(b"\x89PNG\r\n\x1a\n\xff")
+    with caplog.at_level(logging.WARNING):
+        assert two_checkpoints.latest() == two_checkpoints.dir / iter_name(3)
+    assert str(two_checkpoints.dir / "latest") in caplog.text and "unreadable" in caplog.text
+
+
+def test_read_state_names_the_file(tmp_path):
+    d = tmp_path / iter_name(2)
+    d.mkdir()
+    (d / "state.json").write_text("{")
+    with pytest.raises(ResumeError) as e:
+        Checkpointer.read_state(d)
+    assert str(d / "state.json") in str(e.value) and "start_fresh" in str(e.value)
+
+
+def test_resume_point_skips_a_damaged_checkpoint(tmp_path, caplog):
+    from vime_core.loop import resume_point
+
+    cfg = tiny_config(tmp_path)
+    ckpt = Checkpointer(cfg.save_dir, keep_last=5)
+    for i in (1, 3):
+        tmp = ckpt.begin(i)
+        (tmp / "model").mkdir()
+        (tmp / "model" / "w.distcp").write_bytes(b"x" * 1000)
+        ckpt.commit(tmp, i, {"fingerprint_fields": cfg.fingerprint_fields(), "data_buffer": {}})
+    truncate(cfg.save_dir / iter_name(3) / "model" / "w.distcp")
+    with caplog.at_level(logging.WARNING):
+        path, state = resume_point(cfg)
+    assert path.name == iter_name(1) and state["rollout_id"] == 1
+    assert "model/w.distcp has 100 bytes" in caplog.text
+
+
+def test_a_kill_during_pruning_never_leaves_a_dir_that_counts(tmp_path, monkeypatch):
+    import shutil
+
+    import vime_core.resume as resume
+
+    ckpt = Checkpointer(tmp_path / "c", keep_last=1)
+    fake_save(ckpt, 0)
+    real_rmtree = shutil.rmtree
+
+    def killed(path, *a, **k):  # the process dies in the middle of deleting the old checkpoint
+        victim = Path(path)
+        next(victim.rglob("*.distcp")).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(resume.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        fake_save(ckpt, 1)
+    monkeypatch.setattr(resume.shutil, "rmtree", real_rmtree)
+    assert [p.name for p in ckpt.complete()] == [iter_name(1)], "the half-deleted iter_0 must not count as complete"
+    assert ckpt.latest() == ckpt.dir / iter_name(1)
+    assert list(ckpt.dir.glob(".deleting-*")), "the half-deleted dir was renamed before the deletion started"
+    fake_save(ckpt, 2)
+    assert not list(ckpt.dir.glob(".deleting-*")), "the next save removes the leftover"
+
+
+def test_every_file_is_fsynced_before_the_rename(tmp_path, monkeypatch):
+    import vime_core.integrity as integrity
+    import vime_core.resume as resume
+
+    synced: set[str] = set()
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        synced.add(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        if Path(src).is_dir() and ".tmp-" in Path(src).name:
+            files = [str(p.resolve()) for p in Path(src).rglob("*") if p.is_file()]
+            events.append("rename")
+            assert files and all(f in synced for f in files), sorted(set(files) - synced)
+            assert str(Path(src).resolve()) in synced, "the directory itself is fsynced"
+        real_replace(src, dst)
+
+    monkeypatch.setattr(integrity.os, "fsync", fsync)
+    monkeypatch.setattr(resume.os, "replace", replace)
+    ckpt = Checkpointer(tmp_path / "c")
+    final = fake_save(ckpt, 0)
+    assert events == ["rename"]
+    assert str(ckpt.dir.resolve()) in synced, "the save dir is fsynced after the rename"
+    assert set(json.loads((final / MANIFEST).read_text())["files"]) == {
+        "model/__0_0.distcp", "model/.metadata", "optimizer/rank_00000.pt", "rng/rank_00000.pt", "state.json"}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# a full disk
+# --------------------------------------------------------------------------------------------------------------------
+Usage = namedtuple("Usage", "total used free")
+
+
+def fake_free(monkeypatch, free_of):
+    import vime_core.integrity as integrity
+
+    monkeypatch.setattr(integrity.shutil, "disk_usage", lambda path: Usage(10**12, 0, free_of()))
+
+
+def test_a_full_disk_is_refused_before_the_save_with_what_is_needed_and_where(tmp_path, monkeypatch):
+    ckpt = Checkpointer(tmp_path / "c", keep_last=1)
+    fake_save(ckpt, 0, size=2**20)
+    fake_free(monkeypatch, lambda: 2**20)  # 1 MiB free, the last checkpoint is ~4 MiB
+    with pytest.raises(DiskSpaceError) as e:
+        ckpt.begin(1)
+    msg = str(e.value)
+    assert str(ckpt.dir) in msg and "needs ~4.4 MiB" in msg and "1.0 MiB are free" in msg and "keep_last" in msg
+    assert f"the size of {iter_name(0)}" in msg
+    assert ckpt.latest() == ckpt.dir / iter_name(0), "keep_last = 1: the newest checkpoint is never pruned early"
+
+
+def test_a_full_disk_prunes_first_what_keep_last_would_prune(tmp_path, monkeypatch, caplog):
+    ckpt = Checkpointer(tmp_path / "c", keep_last=2)
+    for i in range(2):
+        fake_save(ckpt, i, size=2**20)
+    free = {"bytes": 2**20}
+
+    def free_of():
+        return free["bytes"] + (0 if (ckpt.dir / iter_name(0)).exists() else 5 * 2**20)  # pruning frees its size
+
+    fake_free(monkeypatch, free_of)
+    with caplog.at_level(logging.WARNING):
+        tmp = ckpt.begin(2)
+    assert not (ckpt.dir / iter_name(0)).exists() and (ckpt.dir / iter_name(1)).exists()
+    assert f"pruning {iter_name(0)} now" in caplog.text
+    assert tmp.is_dir()
+
+
+def test_torch_unexpected_pos_becomes_no_space_left_with_the_path(tmp_path):
+    ckpt = Checkpointer(tmp_path / "c")
+    fake_save(ckpt, 0)
+    tmp = ckpt.begin(1)
+    with pytest.raises(DiskSpaceError) as e:
+        with ckpt.writing(tmp):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1234 vs 1100")
+    msg = str(e.value)
+    assert msg.startswith("No space left on device") and str(ckpt.dir) in msg and "MiB (the size of the last checkpoint)" in msg
+    assert not tmp.exists(), "the torn save is removed to give the space back"
+    assert ckpt.latest() == ckpt.dir / iter_name(0)
+
+
+def test_other_save_errors_pass_through(tmp_path):
+    ckpt = Checkpointer(tmp_path / "c")
+    tmp = ckpt.begin(0)
+    with pytest.raises(ValueError, match="not a disk problem"):
+        with ckpt.writing(tmp):
+            raise ValueError("not a disk problem")
+
+
+def test_a_real_enospc_from_torch_save_is_translated(tmp_path):
+    """torch.save into a 1 MiB tmpfs (needs mount rights; skipped elsewhere): the real 'unexpected pos' failure."""
+    import subprocess
+
+    import torch
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        ckpt = Checkpointer(mnt / "c")
+        tmp = ckpt.begin(0)
+        with pytest.raises(DiskSpaceError) as e:
+            with ckpt.writing(tmp):
+                torch.save({"w": torch.zeros(2**20)}, tmp / "rank_00000.pt")  # 4 MiB
+        assert "No space left on device" in str(e.value) and str(mnt / "c") in str(e.value)
+        assert e.value.__cause__ is not None
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -1,0 +1,254 @@
+"""Training checkpoints and resume: <save_dir>/iter_<rollout_id>/{model/, optimizer/, rng/, state.json, hf_config/,
+manifest.json}, the `latest` pointer, pruning, the free-space check before a save, and the resume fingerprint.
+
+(Re-exported by vime_core.checkpoint, where the HF and torch_dist formats live.)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from vime_core.errors import DiskSpaceError, VimeError
+from vime_core.integrity import (
+    MANIFEST,
+    SPACE_MARGIN,
+    disk_full_error,
+    free_bytes,
+    fsync_dir,
+    gib,
+    is_disk_full,
+    manifest_bytes,
+    manifest_problems,
+    write_manifest,
+)
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+STATE_FILE = "state.json"
+
+
+class ResumeError(VimeError, RuntimeError):
+    """A checkpoint cannot be resumed; the message names the differences and the way to start fresh."""
+
+
+def iter_name(rollout_id: int) -> str:
+    return f"iter_{rollout_id:07d}"
+
+
+ITER_RE = re.compile(r"iter_\d{7}")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+_VERIFIED: set[tuple] = set()
+
+
+def _verified_key(ckpt: Path) -> tuple:
+    """A checkpoint as it is on disk now: its path and every file's (size, mtime) by the manifest's list."""
+    try:
+        files = json.loads((ckpt / MANIFEST).read_text())["files"]
+        stats = tuple((rel, (ckpt / rel).stat().st_size, (ckpt / rel).stat().st_mtime_ns) for rel in sorted(files))
+    except (OSError, ValueError, KeyError, TypeError):
+        return (str(ckpt), None)
+    return (str(ckpt.resolve()), stats)
+
+
+class Checkpointer:
+    """Owns the save directory. A checkpoint only ever appears complete by a directory rename, after every file in it
+    was fsynced and listed (size, CRC-32) in its manifest; `latest` is replaced after it, and old ones beyond
+    `keep_last` are renamed out of the way (`.deleting-*`) before they are deleted, so a kill at any moment never
+    leaves a partial directory that counts as complete. An interrupted save leaves a `*.tmp-*` directory that is
+    never picked and is cleaned up by the next save. On resume the newest checkpoint that passes its manifest is
+    used; a damaged one is renamed `*.damaged-<time>` (kept, never deleted) with a warning naming what was wrong."""
+
+    def __init__(self, save_dir: str | Path, keep_last: int = 2):
+        self.dir = Path(save_dir)
+        self.keep_last = keep_last
+
+    # -- writing --------------------------------------------------------------------------------------------------------
+    def begin(self, rollout_id: int) -> Path:
+        """A fresh temporary directory for the save of `rollout_id` (stale temporaries are removed), after checking
+        that the disk can hold it (see `make_room`)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in [*self.dir.glob("iter_*.tmp-*"), *self.dir.glob(".deleting-*")]:
+            shutil.rmtree(stale, ignore_errors=True)
+        self.make_room()
+        tmp = self.dir / f"{iter_name(rollout_id)}.tmp-{os.getpid()}"
+        tmp.mkdir()
+        return tmp
+
+    def make_room(self) -> None:
+        """Free space for one more checkpoint of the size of the last one: prune first the checkpoints that the
+        save would prune anyway (never the newest), then raise DiskSpaceError saying how much is needed and where."""
+        done = self.complete()
+        need = manifest_bytes(done[-1]) if done else None
+        if not need:
+            return
+        need = int(need * SPACE_MARGIN)
+        prunable = done[: max(0, len(done) + 1 - self.keep_last)][: len(done) - 1]  # never the newest
+        while free_bytes(self.dir) < need and prunable:
+            old = prunable.pop(0)
+            log.warning("only %s free in %s, the next checkpoint needs ~%s: pruning %s now (keep_last = %d would "
+                        "after the save)", gib(free_bytes(self.dir)), self.dir, gib(need), old.name, self.keep_last)
+            self._delete(old)
+        free = free_bytes(self.dir)
+        if free < need:
+            raise DiskSpaceError(
+                f"not enough free space in {self.dir} for the next checkpoint: it needs ~{gib(need)} (the size of "
+                f"{done[-1].name}), {gib(free)} are free. The earlier checkpoints are intact; free space there, move "
+                f"output_dir, or lower checkpoint.keep_last (now {self.keep_last}; the newest checkpoint is always kept)"
+            )
+
+    @contextmanager
+    def writing(self, tmp: Path):
+        """Around a save into `tmp`: a full disk (torch's `unexpected pos` among its spellings) becomes one
+        DiskSpaceError naming the path and the size needed; the torn `tmp` is removed to give the space back."""
+        try:
+            yield tmp
+        except Exception as e:
+            if not is_disk_full(e):
+                raise
+            done = self.complete()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise disk_full_error(self.dir, manifest_bytes(done[-1]) if done else None) from e
+
+    def commit(self, tmp: Path, rollout_id: int, state: dict) -> Path:
+        delay = float(os.environ.get("VIME_TEST_CHECKPOINT_DELAY_S", "0"))  # test hook: widen the crash window
+        if delay:
+            time.sleep(delay)
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "rollout_id": rollout_id}, indent=2, default=str))
+        write_manifest(tmp)  # fsyncs every file and directory first
+        final = self.dir / iter_name(rollout_id)
+        if final.exists():  # a redo of a step after a crash: the new one replaces it
+            self._delete(final)
+        os.replace(tmp, final)
+        fsync_dir(self.dir)
+        _atomic_write(self.dir / LATEST, iter_name(rollout_id))
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        done = self.complete()
+        for old in done[: max(0, len(done) - self.keep_last)]:
+            self._delete(old)
+
+    def _delete(self, ckpt: Path) -> None:
+        """Rename first (atomic: it stops counting as a checkpoint at once), then delete."""
+        doomed = self.dir / f".deleting-{ckpt.name}-{os.getpid()}"
+        try:
+            os.replace(ckpt, doomed)
+        except FileNotFoundError:  # set aside meanwhile (found damaged by another process)
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    # -- reading --------------------------------------------------------------------------------------------------------
+    def complete(self) -> list[Path]:
+        """Checkpoint directories that look complete (named iter_NNNNNNN, with a state file), oldest first."""
+        if not self.dir.is_dir():
+            return []
+        return sorted(p for p in self.dir.glob("iter_*") if ITER_RE.fullmatch(p.name) and p.is_dir() and (p / STATE_FILE).is_file())
+
+    def latest(self) -> Path | None:
+        """The newest intact checkpoint: the one `latest` names, else the highest complete iteration; any that fails
+        its manifest or whose state file does not parse is set aside with a warning, and the next one is tried."""
+        for cand in self._candidates():
+            problems = self.problems(cand)
+            if not problems:
+                return cand
+            if not cand.exists():
+                continue  # pruned by a running save while we read it (another process): not damaged
+            aside = cand.with_name(cand.name + time.strftime(".damaged-%Y%m%d-%H%M%S"))
+            try:
+                os.replace(cand, aside)
+            except FileNotFoundError:
+                continue
+            log.warning("checkpoint %s is damaged (%s): kept as %s; resuming from the one before it", cand,
+                        "; ".join(problems[:4]), aside.name)
+        return None
+
+    def _candidates(self) -> list[Path]:
+        done = self.complete()
+        pointer = self.dir / LATEST
+        named = None
+        if pointer.is_file():
+            try:
+                named = self.dir / pointer.read_bytes().decode().strip()
+            except (OSError, UnicodeDecodeError):
+                log.warning("%s is unreadable (not a checkpoint name): using the newest complete checkpoint", pointer)
+            if named is not None and named not in done:
+                named = None  # a stale pointer (a save that never completed) or garbage
+        return ([named] if named else []) + [d for d in reversed(done) if d != named]
+
+    @staticmethod
+    def problems(ckpt: Path, full: bool = True) -> list[str]:
+        """What is wrong with a checkpoint ([] when intact): its state file must parse; its files must match its
+        manifest (checkpoints written before manifests existed are checked for the state file only)."""
+        problems = []
+        try:
+            json.loads((ckpt / STATE_FILE).read_text())
+        except (OSError, ValueError) as e:
+            problems.append(f"{STATE_FILE} is unreadable ({type(e).__name__})")
+        if (ckpt / MANIFEST).exists():
+            key = _verified_key(ckpt)
+            if full and not problems and key in _VERIFIED:
+                return []  # checksummed already by this process (the CLI and the loop both ask), sizes unchanged
+            problems += [p for p in manifest_problems(ckpt, full) if not (problems and p.startswith(STATE_FILE))]
+            if full and not problems:
+                _VERIFIED.add(key)
+        return problems
+
+    @staticmethod
+    def read_state(ckpt: Path) -> dict:
+        path = ckpt / STATE_FILE
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ResumeError(f"{path} is unreadable ({type(e).__name__}: {str(e)[:120]}); remove {ckpt} to resume "
+                              f"from the checkpoint before it, or start fresh with --set checkpoint.start_fresh=true") from None
+
+    def move_aside(self) -> Path | None:
+        """`checkpoint.start_fresh`: keep the old checkpoints, renamed with a timestamp, and start empty."""
+        if not self.dir.exists() or not any(self.dir.iterdir()):
+            return None
+        aside = self.dir.with_name(self.dir.name + time.strftime(".old-%Y%m%d-%H%M%S"))
+        os.replace(self.dir, aside)
+        return aside
+
+
+def fingerprint_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted fields whose values differ between two fingerprint dicts, as 'field: saved -> current'."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += fingerprint_differences(a, b, name + ".")
+        elif a != b:
+            out.append(f"{name}: {a!r} -> {b!r}")
+    return out
+
+
+def check_resumable(state: dict, cfg) -> None:
+    diffs = fingerprint_differences(state.get("fingerprint_fields", {}), cfg.fingerprint_fields())
+    if diffs:
+        raise ResumeError(
+            f"the checkpoint in {cfg.save_dir} was written by a run with different settings, so resuming would not "
+            f"continue that run: {'; '.join(diffs)}. Restore those settings to resume, or start fresh with "
+            f"--set checkpoint.start_fresh=true (the old checkpoints are kept, renamed) or another output_dir."
+        )
