@@ -289,3 +289,53 @@ def test_pass_at_k_matches_binomial_formula():
 def test_pass_at_k_needs_k_samples():
     with pytest.raises(ValueError, match="pass@5 needs at least 5 samples, got 4"):
         pass_at_k(4, 1, 5)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# off the default path: masks, constant groups, overflow
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value, group_size", [(0.7, 8), (0.9, 8), (0.1, 3), (0.3, 5)])
+@pytest.mark.parametrize("normalize_std", [True, False])
+def test_group_advantages_equal_inexact_rewards_give_exact_zeros(value, group_size, normalize_std):
+    # fp32 mean/std rounding gave [0.7] * 8 advantages of 0.056 (with std) instead of 0; float32 inputs as the
+    # rollout produces them, and a second group that does carry signal
+    rewards = torch.tensor([value] * group_size + [0.0] * (group_size - 1) + [1.0], dtype=torch.float32)
+    adv = group_advantages(rewards, group_size, normalize_std=normalize_std)
+    assert torch.equal(adv[:group_size], torch.zeros(group_size, dtype=adv.dtype))
+    assert adv[-1] > 0
+
+
+def test_per_sample_mean_over_mask_tokens():
+    # sample 0: [2, 4, (masked 100)] -> masked sum 6 over 2 trained tokens = 3 (not 6 / 3); sample 1 fully masked -> 0
+    x, ids, mask = t(2, 4, 0, 0), torch.tensor([0, 0, 0, 1]), t(1, 1, 0, 0)
+    assert close(per_sample_mean(x, ids, 2, mask), [3.0, 0.0])
+
+
+def test_aggregate_sample_mean_with_mask():
+    x, ids, mask = t(2, 4, 0, 6), torch.tensor([0, 0, 0, 1]), t(1, 1, 0, 1)
+    # means [3, 6] -> 9 / 2 samples
+    assert aggregate(x, ids, 2, "sample_mean", 2, mask).item() == pytest.approx(4.5)
+
+
+def test_aggregate_zero_denominator_is_zero():
+    assert aggregate(t(0.0, 0.0), torch.tensor([0, 0]), 1, "token_mean", 0).item() == 0.0
+
+
+def test_gspo_masked_sequence_ratio_and_dual_clip():
+    # log ratios [0.1, 0.3 | masked 5.0]: masked mean 0.2 -> ratio 1.2214 on every token, not clipped
+    old, logp, ids = t(0, 0, 0), t(0.1, 0.3, 5.0), torch.tensor([0, 0, 0])
+    _, clipped, ratio = gspo_policy_loss(logp, old, t(1, 1, 1), ids, 1, EPS, EPS_HIGH, mask=t(1, 1, 0))
+    assert close(ratio, [1.22140] * 3) and close(clipped, [0.0] * 3)
+    # A = -1, sequence ratio 5 > c = 3: the dual clip caps the loss at 3
+    loss, clipped, _ = gspo_policy_loss(t(math.log(5)), t(0), t(-1), torch.tensor([0]), 1, EPS, EPS_HIGH, dual_clip_c=3.0)
+    assert close(loss, [3.0]) and close(clipped, [1.0])
+
+
+def test_ratio_and_kl_overflow_is_clamped():
+    # fp32: exp(100) = inf; with A = 0, -A * inf = NaN. Clamped at +-20 the ratio is exp(20) and the loss 0
+    logp, old = torch.tensor([100.0]), torch.tensor([0.0])
+    loss, _, ratio = ppo_policy_loss(logp, old, torch.tensor([0.0]), EPS, EPS_HIGH)
+    assert loss.item() == 0.0 and ratio.item() == pytest.approx(math.exp(20), rel=1e-5)
+    assert torch.isfinite(kl_penalty(torch.tensor([-100.0]), torch.tensor([0.0]), "k3")).all()
+    w, _ = tis_weights(torch.tensor([0.0]), torch.tensor([-100.0]), cap=2.0)
+    assert w.item() == 2.0

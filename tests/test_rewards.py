@@ -264,3 +264,120 @@ def test_reward_model_non_number(groups, fn, shown):
 def test_reward_model_bad_spec_fails_at_construction():
     with pytest.raises(ValueError, match="cannot import module"):
         RewardModel("tests.helpers.no_such_module:f")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# verifier edge cases (issue 10)
+# --------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "response",
+    [
+        "The answer is\n\\[\\boxed{5}\\]",
+        "The answer is \\(\\boxed{5}\\)",
+        "The answer is **\\boxed{5}**",
+        "The answer is **\\boxed{5}**.\n",
+        "So $$\\boxed{5}$$",
+    ],
+)
+def test_strict_format_accepts_wrapped_final_box(response):
+    # common Qwen3 endings: display math, inline math, bold
+    assert math_reward(response, "5", strict=True, finish_reason="stop") == 1.0
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_box_inside_think_is_not_the_answer(strict):
+    # the reasoning boxed 5, the final answer is 6
+    text = "<think>maybe \\boxed{5}</think>\nThe answer is \\boxed{6}"
+    assert math_reward(text, "5", strict=strict) == 0.0
+    assert math_reward(text, "6", strict=strict) == 1.0
+
+
+def test_box_only_inside_think_scores_zero():
+    assert math_reward("<think>so \\boxed{5}</think>\nThe answer is 5.", "5") == 0.0
+    # Qwen3's template opens <think> in the prompt: the response holds only the closing tag
+    assert math_reward("so \\boxed{5}\n</think>\n\nthe answer is five", "5") == 0.0
+    assert math_reward("reasoning\n</think>\n\n\\boxed{5}", "5") == 1.0
+    # cut off while still thinking: no final answer yet
+    assert math_reward("<think>so \\boxed{5}", "5") == 0.0
+
+
+@pytest.mark.parametrize("pred, label", [(r"\$18.90", "18.90"), ("1e3", "1000"), ("2.5E-1", "1/4"), (r"\emptyset", r"\varnothing"),
+                                         (r"\varnothing", r"\emptyset")])
+def test_answers_equal_dollars_exponents_empty_set(pred, label):
+    assert answers_equal(pred, label) is True
+    assert math_reward(f"\\boxed{{{pred}}}", label) == 1.0
+
+
+def test_exponent_numbers():
+    assert as_number("1e3") == 1000
+    assert as_number("-2.5e-2") * 40 == -1
+
+
+def test_math_reward_has_a_time_limit_off_the_main_thread():
+    """math-verify's own timeout (SIGALRM) is off outside the main thread; 9^9^9^9 hung a thread for > 120 s.
+    The worker process is killed at the limit and the answer scores 0; the next call gets a fresh worker."""
+    import threading
+
+    from vime_core.verify_pool import shared_pool
+
+    pool = shared_pool()
+    killed = pool.killed
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.update(r=math_reward(r"so \boxed{9^{9^{9^{9}}}}", "5", timeout_s=2)))
+    th.start()
+    th.join(timeout=60)
+    assert not th.is_alive() and out["r"] == 0.0
+    assert pool.killed == killed + 1
+    assert math_reward(r"\boxed{\sqrt{4}}", "2") == 1.0  # symbolic path works again
+
+
+def test_reward_model_math_batches_symbolic_checks():
+    gs = [[_sample(r"\boxed{\sqrt{9}}", label="3"), _sample(r"\boxed{\frac{6}{2}}", label="3"), _sample(r"\boxed{x}", label="3")]]
+    RewardModel("math", timeout_s=5).score(gs)
+    assert _rewards(gs) == [[1.0, 1.0, 0.0]]
+
+
+def test_usable_labels():
+    from vime_core.rewards import usable_labels
+
+    assert usable_labels(["5", "-3/4", r"\frac{1}{2}", r"\frac{1}{", "}{", "???", "1e3"]) == [True, True, True, False, False, False, True]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# custom rewards: finite values, time limit
+# --------------------------------------------------------------------------------------------------------------------
+def test_nan_reward_names_function_and_sample():
+    s = _sample("x", label="42")
+    s.metadata["index"] = 17
+    with pytest.raises(ValueError, match=rf"reward function {HELPERS}:nan_reward returned nan for the sample of prompt 17 "
+                                         r"\(group 0, label '42'\): rewards must be finite"):
+        RewardModel(f"{HELPERS}:nan_reward").score([[s]])
+
+
+def test_inf_group_reward_is_refused(groups):
+    with pytest.raises(ValueError, match=rf"{HELPERS}:inf_for_long returned inf for the sample of prompt .*label '5'"):
+        RewardModel(f"{HELPERS}:inf_for_long", reward_type="group").score(groups)
+
+
+@pytest.mark.parametrize("fn", ["sleepy_reward", "async_sleepy_reward"])
+def test_custom_reward_time_limit(fn):
+    s = _sample("x", label="7")
+    s.metadata["index"] = 3
+    with pytest.raises(TimeoutError, match=rf"reward function {HELPERS}:{fn} took more than rollout.reward_timeout_s = 0.3 s "
+                                           r"on the sample of prompt 3"):
+        RewardModel(f"{HELPERS}:{fn}", timeout_s=0.3).score([[s]])
+
+
+def test_check_labels_counts_warns_and_refuses_all_bad(caplog):
+    from vime_core.data import DatasetError, Prompt, PromptSet, check_labels
+    from vime_core.rewards import usable_labels
+
+    def ps(*labels):
+        return PromptSet("data/x.jsonl", [Prompt(index=i, prompt_ids=[1], prompt="p", label=lab) for i, lab in enumerate(labels)])
+
+    with caplog.at_level("WARNING"):
+        assert check_labels(ps("5", r"\frac{1}{", "7"), usable_labels, "answer") == 1
+    assert "1 of 3 labels (field 'answer') cannot be read" in caplog.text and r"row 2: '\\frac{1}{'" in caplog.text
+    assert check_labels(ps("5", "6"), usable_labels, "answer") == 0
+    with pytest.raises(DatasetError, match=r"dataset data/x.jsonl: none of its 2 labels \(field 'answer', data.label_key\)"):
+        check_labels(ps("}{", "???"), usable_labels, "answer")

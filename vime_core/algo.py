@@ -12,24 +12,50 @@ import torch
 Tensor = torch.Tensor
 
 
+# verl clamps the log-ratio to +-20 before `exp`: exp(20) = 4.9e8 stays finite in fp32 (and bf16), while an overflowed
+# ratio (inf) times a zero advantage or mask is NaN, which would reach every weight through the optimizer.
+LOG_RATIO_CLAMP = 20.0
+
+
 def group_advantages(rewards: Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
-    """GRPO advantages: reward minus its group's mean, divided by (group std + eps) unless `normalize_std` is False
-    (Dr.GRPO). `rewards` is flat, groups are consecutive runs of `group_size`. Std is the unbiased one, as in vime."""
+    """GRPO advantages (float64): reward minus its group's mean, divided by (group std + eps) unless `normalize_std`
+    is False (Dr.GRPO). `rewards` is flat, groups are consecutive runs of `group_size`. Std is the unbiased one, as
+    in vime. A group whose rewards are all equal gets exactly 0: in fp32, [0.7] * 8 has a mean 6e-8 off 0.7 and a
+    std of 6e-8, which made advantages of +-0.1 instead of 0; float64 alone still leaves 1e-17 residues for
+    group sizes like 3, so such groups are zeroed explicitly (the rollout's zero_std_ratio uses the same test)."""
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    r = rewards.float().reshape(-1, group_size)
+    r = rewards.double().reshape(-1, group_size)
     centred = r - r.mean(dim=1, keepdim=True)
     if normalize_std:
         std = r.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(r[:, :1])
         centred = centred / (std + eps)
-    return centred.reshape(-1)
+    constant = r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
+    return torch.where(constant, torch.zeros_like(centred), centred).reshape(-1)
 
 
 def group_reward_std(rewards: Tensor, group_size: int) -> Tensor:
-    r = rewards.float().reshape(-1, group_size)
-    return r.std(dim=1) if group_size > 1 else torch.zeros(r.shape[0])
+    r = rewards.double().reshape(-1, group_size)
+    return r.std(dim=1) if group_size > 1 else torch.zeros(r.shape[0], dtype=torch.float64)
+
+
+def clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, eps_clip: float, eps_clip_high: float, dual_clip_c: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """max(-A * r, -A * clip(r, 1 - eps_clip, 1 + eps_clip_high)); with dual clip, for A < 0 the loss is also capped
+    at -A * c. Returns (loss per token, clipped indicator per token)."""
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
+    loss = torch.maximum(loss1, loss2)
+    clipped = (loss2 > loss1).to(ratio.dtype)
+    if dual_clip_c is not None:
+        loss3 = -advantages * dual_clip_c
+        dual = (advantages < 0) & (loss > loss3)
+        loss = torch.where(advantages < 0, torch.minimum(loss, loss3), loss)
+        clipped = torch.where(dual, torch.ones_like(clipped), clipped)
+    return loss, clipped
 
 
 def ppo_policy_loss(
@@ -42,18 +68,9 @@ def ppo_policy_loss(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-token clipped surrogate. Returns (loss per token, clipped indicator per token, ratio per token).
 
-    loss = max(-A * r, -A * clip(r, 1 - eps_clip, 1 + eps_clip_high)); with dual clip, for A < 0 the loss is also
-    capped at -A * c."""
-    ratio = torch.exp(logp - old_logp)
-    loss1 = -advantages * ratio
-    loss2 = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
-    loss = torch.maximum(loss1, loss2)
-    clipped = (loss2 > loss1).float()
-    if dual_clip_c is not None:
-        loss3 = -advantages * dual_clip_c
-        dual = (advantages < 0) & (loss > loss3)
-        loss = torch.where(advantages < 0, torch.minimum(loss, loss3), loss)
-        clipped = torch.where(dual, torch.ones_like(clipped), clipped)
+    See `clipped_surrogate`; the log-ratio is clamped to +-LOG_RATIO_CLAMP before `exp`."""
+    ratio = torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    loss, clipped = clipped_surrogate(ratio, advantages, eps_clip, eps_clip_high, dual_clip_c)
     return loss, clipped, ratio
 
 
@@ -65,23 +82,29 @@ def gspo_policy_loss(
     num_samples: int,
     eps_clip: float,
     eps_clip_high: float,
+    mask: Tensor | None = None,
+    dual_clip_c: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """GSPO: the ratio is the sequence-level geometric mean exp(mean_t(logp - old_logp)), applied to every token of
-    the sequence with a stop-gradient trick so that each token's gradient flows through its own log-prob."""
+    """GSPO: the ratio is the sequence-level geometric mean exp(mean_t(logp - old_logp)) over the sequence's trained
+    (mask = 1) tokens, as slime's compute_gspo_kl and verl do, applied to every token of the sequence with a
+    stop-gradient trick so that each token's gradient flows through its own log-prob. The dual clip applies to the
+    sequence ratio as in slime (its GSPO path shares compute_policy_loss with PPO)."""
     log_ratio = logp - old_logp
-    seq_log_ratio = per_sample_mean(log_ratio, sample_ids, num_samples)[sample_ids]
+    if mask is None:
+        mask = torch.ones_like(log_ratio)
+    seq_log_ratio = per_sample_mean(log_ratio * mask, sample_ids, num_samples, mask)[sample_ids]
+    seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     # value = seq ratio, gradient = seq ratio * d logp_t (token-level)
     token_log_ratio = seq_log_ratio.detach() + logp - logp.detach()
     ratio = torch.exp(token_log_ratio)
-    loss1 = -advantages * ratio
-    loss2 = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
-    loss = torch.maximum(loss1, loss2)
-    return loss, (loss2 > loss1).float(), ratio
+    loss, clipped = clipped_surrogate(ratio, advantages, eps_clip, eps_clip_high, dual_clip_c)
+    return loss, clipped, ratio
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
-    """Per-token KL estimate of the policy against the reference (Schulman's k1/k2/k3; low_var_kl is k3 clamped)."""
-    log_ratio = logp - ref_logp
+    """Per-token KL estimate of the policy against the reference (Schulman's k1/k2/k3; low_var_kl is k3 clamped).
+    The log-ratio is clamped to +-LOG_RATIO_CLAMP first (verl), so that k3's exp cannot overflow."""
+    log_ratio = (logp - ref_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if kind == "k1":
         return log_ratio
     if kind == "k2":
@@ -96,7 +119,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
 
 def tis_weights(old_logp: Tensor, rollout_logp: Tensor, cap: float) -> tuple[Tensor, Tensor]:
     """Truncated importance sampling: clamp(exp(old - rollout), 0, cap), and which tokens were clipped."""
-    w = torch.exp(old_logp - rollout_logp)
+    w = torch.exp((old_logp - rollout_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     return w.clamp(0.0, cap), (w > cap).float()
 
 
@@ -104,19 +127,27 @@ def per_sample_sum(x: Tensor, sample_ids: Tensor, num_samples: int) -> Tensor:
     return torch.zeros(num_samples, dtype=x.dtype, device=x.device).index_add(0, sample_ids, x)
 
 
-def per_sample_mean(x: Tensor, sample_ids: Tensor, num_samples: int) -> Tensor:
-    counts = torch.bincount(sample_ids, minlength=num_samples).clamp(min=1).to(x.dtype)
-    return per_sample_sum(x, sample_ids, num_samples) / counts
+def per_sample_mean(x: Tensor, sample_ids: Tensor, num_samples: int, mask: Tensor | None = None) -> Tensor:
+    """Per-sample sum of `x` divided by the sample's token count, or by its number of mask = 1 tokens when `mask` is
+    given (slime/vime: `mask.sum().clamp_min(1)`; `x` is expected to be masked already). Empty samples give 0."""
+    if mask is None:
+        counts = torch.bincount(sample_ids, minlength=num_samples).to(x.dtype)
+    else:
+        counts = per_sample_sum(mask.to(x.dtype), sample_ids, num_samples)
+    return per_sample_sum(x, sample_ids, num_samples) / counts.clamp(min=1)
 
 
-def aggregate(x: Tensor, sample_ids: Tensor, num_samples: int, mode: str, denominator: float) -> Tensor:
-    """Sum of this micro-batch's share of the loss.
+def aggregate(x: Tensor, sample_ids: Tensor, num_samples: int, mode: str, denominator: float, mask: Tensor | None = None) -> Tensor:
+    """Sum of this micro-batch's share of the loss; `x` is the masked per-token loss.
 
-    `sample_mean`: sum over samples of each sample's token mean, divided by `denominator` = samples in the whole
-    optimizer step (all micro-batches and data-parallel ranks), so that summing micro-batches gives vime's
-    mean over samples of token means. `token_mean`: sum over tokens divided by `denominator` = tokens in the step."""
+    `sample_mean`: sum over samples of each sample's mean over its trained (mask = 1) tokens, divided by
+    `denominator` = samples in the whole optimizer step (all micro-batches and data-parallel ranks), so that summing
+    micro-batches gives vime's mean over samples of token means. `token_mean`: sum over tokens divided by
+    `denominator` = trained tokens in the step. A denominator of 0 (no trained token anywhere) counts as 1, so that
+    such a step has loss 0 and zero gradients instead of NaN."""
+    denominator = max(float(denominator), 1.0)
     if mode == "sample_mean":
-        return per_sample_mean(x, sample_ids, num_samples).sum() / denominator
+        return per_sample_mean(x, sample_ids, num_samples, mask).sum() / denominator
     if mode == "token_mean":
         return x.sum() / denominator
     raise ValueError(f"unknown loss aggregation {mode!r}")

@@ -1,8 +1,13 @@
 """Rewards: a math verifier on top of `math-verify`, and custom reward functions loaded by dotted path.
 
-The math verifier takes the *last* `\\boxed{...}` of the response (brace-matched, so `\\boxed{\\frac{1}{2}}` works),
-compares it with the label as normalised strings, then as plain numbers (integers, decimals, `a/b`), then with
-math-verify's symbolic equivalence (LaTeX, fractions vs decimals, ...). A missing box scores 0.
+The math verifier drops the reasoning (`<think>...</think>`) first, takes the *last* `\\boxed{...}` of what is left
+(brace-matched, so `\\boxed{\\frac{1}{2}}` works), compares it with the label as normalised strings, then as plain
+numbers (integers, decimals, `a/b`, `1e3`), then with math-verify's symbolic equivalence (LaTeX, fractions vs
+decimals, ...) in worker processes with a time limit (verify_pool.py). A missing box scores 0.
+
+Every reward has a time limit (`rollout.reward_timeout_s`) wherever it runs: math-verify's worker is killed at the
+limit (score 0); a custom reward over the limit stops the run with an error naming it and the sample. Rewards
+must be finite numbers: NaN or inf stops the run with an error naming the function and the sample.
 
 Custom rewards: `rollout.reward = "pkg.module:function"` with `rollout.reward_type`:
 - `sample`: `f(sample) -> float` (or `async def`), called per sample;
@@ -15,12 +20,13 @@ import asyncio
 import importlib
 import inspect
 import logging
+import math
+import queue
 import re
 import threading
 from fractions import Fraction
 from typing import Any, Callable, Sequence
 
-from vime_core.aio import run_sync
 from vime_core.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -60,7 +66,9 @@ def _last_box(text: str) -> tuple[str, int] | None:
     return None  # unbalanced: the answer was cut off
 
 
-_STRIP = [r"\!", r"\,", r"\;", r"\:", r"\left", r"\right", "$", " ", r"\displaystyle"]
+# `\$` before `$`: `\$18.90` is 18.90 dollars
+_STRIP = [r"\!", r"\,", r"\;", r"\:", r"\left", r"\right", r"\$", "$", " ", r"\displaystyle"]
+_SYNONYMS = [(r"\varnothing", r"\emptyset"), (r"\dfrac", r"\frac"), (r"\tfrac", r"\frac")]
 
 
 def normalise(ans: str) -> str:
@@ -68,11 +76,12 @@ def normalise(ans: str) -> str:
     for t in _STRIP:
         s = s.replace(t, "")
     s = re.sub(r"\\text\{(.*?)\}", r"\1", s)
-    s = s.replace(r"\dfrac", r"\frac").replace(r"\tfrac", r"\frac")
+    for a, b in _SYNONYMS:
+        s = s.replace(a, b)
     return s.rstrip(".").strip()
 
 
-_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)$")
+_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d{1,3})?$")  # `1e3`: exponents up to 999
 _FRACTION = re.compile(r"^([+-]?\d+)/(\d+)$")
 _LATEX_FRACTION = re.compile(r"^([+-]?)\\frac\{([+-]?\d+)\}\{(\d+)\}$")
 
@@ -92,22 +101,11 @@ def as_number(s: str) -> Fraction | None:
     return None
 
 
-def _symbolic_equal(pred: str, label: str) -> bool:
-    """math-verify's parse + verify. Its timeouts use SIGALRM, which only works in the main thread."""
-    from math_verify import parse, verify
-
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call made without a timeout
-    try:
-        gold = parse(f"${label}$", parsing_timeout=timeout)
-        target = parse(f"${pred}$", parsing_timeout=timeout)
-        return bool(gold and target and verify(gold, target, timeout_seconds=timeout))
-    except Exception as e:  # a parse bug must cost one sample's reward, not the run
-        log.debug("math-verify failed on %r vs %r: %s", pred, label, e)
-        return False
+DEFAULT_TIMEOUT_S = 10.0
 
 
-def answers_equal(pred: str, label: str) -> bool:
+def quick_equal(pred: str, label: str) -> bool | None:
+    """True/False when normalised strings or exact numbers decide; None when only math-verify can tell."""
     p, g = normalise(pred), normalise(label)
     if not p:
         return False
@@ -116,26 +114,94 @@ def answers_equal(pred: str, label: str) -> bool:
     pn, gn = as_number(p), as_number(g)
     if pn is not None and gn is not None:
         return pn == gn
-    return _symbolic_equal(p, g)
+    return None
 
 
-def math_reward(response: str, label: str, strict: bool = False, finish_reason: str | None = None) -> float:
-    """1.0 when the last boxed answer equals the label, else 0.0.
+def answers_equal(pred: str, label: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    quick = quick_equal(pred, label)
+    if quick is not None:
+        return quick
+    from vime_core.verify_pool import shared_pool
 
-    strict: also require a complete response (not cut by the length limit) whose last non-space text is the box.
+    return shared_pool().run("equal", [(normalise(pred), normalise(label))], timeout_s)[0]
+
+
+def strip_thinking(response: str) -> str:
+    """The final answer part: after the last `</think>` (Qwen3 templates open `<think>` in the prompt), or, when a
+    `<think>` is never closed (cut off while reasoning), what came before it."""
+    end = response.rfind("</think>")
+    if end >= 0:
+        return response[end + len("</think>"):]
+    start = response.find("<think>")
+    return response[:start] if start >= 0 else response
+
+
+# what may follow the box at the very end in strict mode: display/inline math closers, bold, a full stop
+_TAIL_WRAPPERS = ("\\]", "\\)", "**", "$", ".")
+
+
+def _strip_tail(text: str) -> str:
+    prev = None
+    while prev != text:
+        prev, text = text, text.rstrip()
+        for w in _TAIL_WRAPPERS:
+            if text.endswith(w):
+                text = text[: -len(w)]
+    return text
+
+
+def boxed_answer(response: str, strict: bool = False, finish_reason: str | None = None) -> str | None:
+    """The answer the math reward compares, or None when the response has none (in strict mode: none that ends it)."""
+    text = strip_thinking(response)
+    if not strict:
+        return last_boxed(text)
+    if finish_reason == "length":
+        return None
+    tail = _strip_tail(text)
+    box = _last_box(tail)
+    if box is None or box[1] != len(tail):  # the last box must be the last thing in the response
+        return None
+    return box[0]
+
+
+def math_reward(response: str, label: str, strict: bool = False, finish_reason: str | None = None,
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> float:
+    """1.0 when the last boxed answer (outside the reasoning) equals the label, else 0.0.
+
+    strict: also require a complete response (not cut by the length limit) whose last text is the box, optionally
+    wrapped as `$..$`, `\\[..\\]`, `\\(..\\)` or `**..**` and followed by a full stop.
     """
-    ans = last_boxed(response)
-    if ans is None:
-        return 0.0
-    if strict:
-        if finish_reason == "length":
-            return 0.0
-        tail = response.rstrip().rstrip(".$").rstrip()
-        box = _last_box(tail)
-        if box is None or box[1] != len(tail):  # the last box must be the last thing in the response
-            return 0.0
-        ans = box[0]
-    return 1.0 if answers_equal(ans, str(label)) else 0.0
+    ans = boxed_answer(response, strict, finish_reason)
+    return 0.0 if ans is None else float(answers_equal(ans, str(label), timeout_s))
+
+
+def math_rewards(samples: Sequence[Sample], strict: bool, timeout_s: float) -> list[float]:
+    """math_reward of many samples; the comparisons only math-verify can decide run in parallel workers."""
+    from vime_core.verify_pool import shared_pool
+
+    out: list[float] = []
+    slow: list[tuple[int, tuple[str, str]]] = []
+    for s in samples:
+        ans = boxed_answer(s.response, strict, s.finish_reason)
+        quick = False if ans is None else quick_equal(ans, str(s.label))
+        if quick is None:
+            slow.append((len(out), (normalise(ans), normalise(str(s.label)))))
+        out.append(float(bool(quick)))
+    if slow:
+        for (i, _), ok in zip(slow, shared_pool().run("equal", [c for _, c in slow], timeout_s)):
+            out[i] = float(ok)
+    return out
+
+
+def usable_labels(labels: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S) -> list[bool]:
+    """Which labels the math verifier can compare answers with: numbers, or LaTeX that math-verify parses (each
+    distinct non-number label parsed once, in the worker processes)."""
+    from vime_core.verify_pool import shared_pool
+
+    norm = [normalise(str(x)) for x in labels]
+    unique = sorted({n for n in norm if n and as_number(n) is None})
+    parsed = dict(zip(unique, shared_pool().run("label", [(n,) for n in unique], timeout_s)))
+    return [bool(n) and (as_number(n) is not None or parsed[n]) for n in norm]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -164,25 +230,24 @@ def load_callable(spec: str) -> Callable[..., Any]:
 
 
 class RewardModel:
-    """Scores groups of samples in place (sets `sample.reward`)."""
+    """Scores groups of samples in place (sets `sample.reward`), each call within `timeout_s`."""
 
-    def __init__(self, spec: str = "math", reward_type: str = "sample", strict_format: bool = False):
-        self.spec, self.reward_type, self.strict = spec, reward_type, strict_format
+    def __init__(self, spec: str = "math", reward_type: str = "sample", strict_format: bool = False,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.spec, self.reward_type, self.strict, self.timeout_s = spec, reward_type, strict_format, timeout_s
         self.fn = None if spec == "math" else load_callable(spec)
-
-    def _math(self, s: Sample) -> float:
-        if s.label is None:
-            raise ValueError(f"math reward needs a label, but the sample of group {s.group_id} has none")
-        return math_reward(s.response, s.label, self.strict, s.finish_reason)
 
     def score(self, groups: Sequence[Sequence[Sample]]) -> None:
         if self.fn is None:
-            for g in groups:
-                for s in g:
-                    s.reward = self._math(s)
+            flat = [s for g in groups for s in g]
+            for s in flat:
+                if s.label is None:
+                    raise ValueError(f"math reward needs a label, but the sample of group {s.group_id} has none")
+            for s, r in zip(flat, math_rewards(flat, self.strict, self.timeout_s)):
+                s.reward = r
             return
         if self.reward_type == "group":
-            results = _run_all([self.fn(list(g)) for g in groups])
+            results = self._call_all([list(g) for g in groups], lambda k: _describe_group(groups[k]))
             for g, r in zip(groups, results):
                 if isinstance(r, (str, bytes)) or not hasattr(r, "__iter__"):
                     raise ValueError(f"group reward {self.spec} returned {r!r}, not a list of rewards")
@@ -190,30 +255,81 @@ class RewardModel:
                 if len(r) != len(g):
                     raise ValueError(f"group reward {self.spec} returned {len(r)} rewards for a group of {len(g)}")
                 for s, v in zip(g, r):
-                    s.reward = _as_float(v, self.spec)
+                    s.reward = _as_float(v, self.spec, s)
         else:
             flat = [s for g in groups for s in g]
-            for s, v in zip(flat, _run_all([self.fn(s) for s in flat])):
-                s.reward = _as_float(v, self.spec)
+            for s, v in zip(flat, self._call_all(flat, lambda k: _describe(flat[k]))):
+                s.reward = _as_float(v, self.spec, s)
+
+    def _call_all(self, items: list[Any], describe: Callable[[int], str]) -> list[Any]:
+        """`self.fn(item)` for every item, each within `timeout_s`, on a helper thread (a hung call cannot be killed
+        in a thread: it is left behind, daemonic, and the run stops with an error). Async functions run
+        concurrently, each under asyncio.wait_for."""
+        done: queue.Queue = queue.Queue()
+        threading.Thread(target=_call_worker, args=(self.fn, items, self.timeout_s, done), daemon=True,
+                         name="vime-reward").start()
+        results: list[tuple[Any] | None] = [None] * len(items)
+
+        def too_slow(i: int) -> TimeoutError:
+            return TimeoutError(f"reward function {self.spec} took more than rollout.reward_timeout_s = "
+                                f"{self.timeout_s:g} s on {describe(i)}; make it faster or raise the limit")
+
+        for _ in items:
+            try:  # sync calls end one after another, async ones run together: each ends within the limit
+                i, ok, value = done.get(timeout=self.timeout_s)
+            except queue.Empty:
+                raise too_slow(next(i for i, r in enumerate(results) if r is None)) from None
+            if not ok:
+                if isinstance(value, asyncio.TimeoutError):
+                    raise too_slow(i) from None
+                raise value
+            results[i] = (value,)
+        return [r[0] for r in results]  # type: ignore[index]
 
 
-def _as_float(v: Any, spec: str) -> float:
+def _call_worker(fn: Callable[..., Any], items: list[Any], timeout_s: float, done: queue.Queue) -> None:
+    """Runs on the helper thread: sync calls one by one, then the awaitables together, reporting each as it ends."""
+    waiting: list[tuple[int, Any]] = []
+    for i, item in enumerate(items):
+        try:
+            r = fn(item)
+        except BaseException as e:
+            done.put((i, False, e))
+            return
+        if inspect.isawaitable(r):
+            waiting.append((i, r))
+        else:
+            done.put((i, True, r))
+    if not waiting:
+        return
+
+    async def one(i: int, aw: Any) -> None:
+        try:
+            done.put((i, True, await asyncio.wait_for(aw, timeout_s)))
+        except BaseException as e:
+            done.put((i, False, e))
+
+    async def gather() -> None:
+        await asyncio.gather(*[one(i, aw) for i, aw in waiting])
+
+    asyncio.run(gather())
+
+
+def _describe(s: Sample) -> str:
+    return f"the sample of prompt {s.metadata.get('index', '?')} (group {s.group_id}, label {s.label!r})"
+
+
+def _describe_group(g: Sequence[Sample]) -> str:
+    first = g[0] if g else None
+    return f"the group of prompt {first.metadata.get('index', '?')} (group {first.group_id}, label {first.label!r})" if first else "an empty group"
+
+
+def _as_float(v: Any, spec: str, s: Sample) -> float:
     try:
-        return float(v)
+        x = float(v)
     except (TypeError, ValueError) as e:
         raise ValueError(f"reward function {spec} returned {v!r}, not a number") from e
-
-
-def _run_all(results: list[Any]) -> list[Any]:
-    """Resolve a mix of plain values and awaitables (async reward functions run concurrently)."""
-    if not any(inspect.isawaitable(r) for r in results):
-        return results
-
-    async def gather():
-        return await asyncio.gather(*[r if inspect.isawaitable(r) else _value(r) for r in results])
-
-    return run_sync(gather())
-
-
-async def _value(v: Any) -> Any:
-    return v
+    if not math.isfinite(x):
+        raise ValueError(f"reward function {spec} returned {v!r} for {_describe(s)}: rewards must be finite numbers "
+                         f"(a NaN reward turns the policy's weights into NaN)")
+    return x

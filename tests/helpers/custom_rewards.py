@@ -57,3 +57,44 @@ class Namespace:
     @staticmethod
     def constant(sample: Sample) -> float:
         return 0.5
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# misbehaving rewards (non-finite values, over the time limit)
+# --------------------------------------------------------------------------------------------------------------------
+def nan_reward(sample: Sample) -> float:
+    return float("nan")
+
+
+def inf_for_long(samples: list[Sample]) -> list[float]:
+    """Per-group: inf for responses longer than 2 characters, else 0."""
+    return [float("inf") if len(s.response) > 2 else 0.0 for s in samples]
+
+
+def sleepy_reward(sample: Sample) -> float:
+    """Far over any test's rollout.reward_timeout_s (the helper thread is left behind, daemonic)."""
+    import time
+
+    time.sleep(30)
+    return 0.0
+
+
+async def async_sleepy_reward(sample: Sample) -> float:
+    await asyncio.sleep(30)
+    return 0.0
+
+
+CALLS = {"n": 0}
+
+
+def nan_after_calls(sample: Sample) -> float:
+    """The math reward for the first VIME_TEST_NAN_AFTER calls of this process (reset CALLS["n"] first), then NaN:
+    a run using it fails at the step where the NaN appears, after its earlier steps were checkpointed."""
+    import os
+
+    from vime_core.rewards import math_reward
+
+    CALLS["n"] += 1
+    if CALLS["n"] > int(os.environ.get("VIME_TEST_NAN_AFTER", "0")):
+        return float("nan")
+    return math_reward(sample.response, sample.label, finish_reason=sample.finish_reason)

@@ -1,0 +1,187 @@
+"""Trainer ranks in spawned gloo processes, for tests/test_loss.py: the real `Trainer` (megatron-core GPTModel of the
+builtin tiny model, torch AdamW) on CPU without Ray, and megatron's DistributedDataParallel on its own.
+
+Functions here run as `fn(rank, world, port, *args)` in `world` fresh processes (see `spawn`) and return plain
+objects (floats, lists), never tensors.
+"""
+
+from __future__ import annotations
+
+import queue as queue_mod
+import random
+import socket
+import time
+import traceback
+from pathlib import Path
+
+REPO_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml")
+
+
+def spawn(fn_name: str, world: int, *args, timeout: float = 300.0) -> list:
+    """Run `<this module>.<fn_name>(rank, world, port, *args)` in `world` spawned processes; their return values in
+    rank order. A rank's exception is raised here with its traceback."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(fn_name, r, world, port, q, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            try:
+                rank, ok, payload = q.get(timeout=2)
+            except queue_mod.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    raise RuntimeError(f"{fn_name}: ranks died or timed out (exit codes {[p.exitcode for p in procs]})") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"{fn_name}: rank {rank} failed:\n{payload}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=30 if len(results) == world else 2)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]
+
+
+def _entry(fn_name: str, rank: int, world: int, port: int, q, args: tuple) -> None:
+    try:
+        q.put((rank, True, globals()[fn_name](rank, world, port, *args)))
+    except BaseException:
+        q.put((rank, False, traceback.format_exc()))
+
+
+def init_gloo_rank(rank: int, world: int, port: int) -> None:
+    """torch.distributed over gloo and megatron's parallel state (TP = PP = EP = 1) on CPU."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from vime_core.platform import apply_megatron_cpu_shims, apply_offline_env
+
+    apply_offline_env()
+    apply_megatron_cpu_shims()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
+
+
+def synthetic_samples(n: int, vocab: int, seed: int = 0, empty_every: int = 0, masked: bool = True) -> list:
+    """`n` TrainSamples with random tokens, responses of 2-7 tokens (every `empty_every`-th one empty), partly
+    masked, rollout log-probs near -2 and advantages of consecutive groups of 4."""
+    import torch
+
+    from vime_core.algo import group_advantages
+    from vime_core.train import TrainSample
+
+    rng = random.Random(seed)
+    rewards = torch.tensor([float(rng.random() < 0.5) for _ in range(n)])
+    adv = group_advantages(rewards, 4).tolist()
+    out = []
+    for i in range(n):
+        plen = rng.randint(2, 5)
+        rlen = 0 if empty_every and i % empty_every == 0 else rng.randint(2, 7)
+        mask = [1 if not masked or j < 2 or rng.random() < 0.6 else 0 for j in range(rlen)]
+        out.append(TrainSample(
+            tokens=[rng.randrange(3, vocab) for _ in range(plen + rlen)], prompt_len=plen, loss_mask=mask,
+            rollout_logprobs=[-2.0 + rng.uniform(-0.3, 0.3) for _ in range(rlen)], advantage=adv[i],
+        ))
+    return out
+
+
+def train_rank(rank: int, world: int, port: int, model_dir: str, overrides: list[str], n_samples: int,
+               empty_every: int = 0, nan_advantage: bool = False) -> dict:
+    """Build the real Trainer with the tiny config + `overrides` (train.num_devices = world), train one rollout
+    step on `synthetic_samples(n_samples)` split over the DP ranks, return {metrics, checksum before/after, error}."""
+    import math
+
+    import torch
+
+    from vime_core.config import load_config
+    from vime_core.train import Trainer, split_steps_and_ranks
+
+    cfg = load_config(REPO_CONFIG, [f"train.num_devices={world}", "train.cpu_threads=1", *overrides])
+    trainer = Trainer(cfg, model_dir, rank, world, "127.0.0.1", port, "cpu")
+    samples = synthetic_samples(n_samples, trainer.arch.vocab_size, empty_every=empty_every)
+    if nan_advantage:
+        samples[1].advantage = math.nan
+    steps = split_steps_and_ranks(samples, cfg.num_steps_per_rollout, cfg.train.data_parallel_size)[rank]
+    before = trainer.weights_checksum()
+    out: dict = {"error": None, "metrics": {}}
+    try:
+        out["metrics"] = trainer.train(0, steps)
+    except Exception as e:  # the test looks at the message and at the weights
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["checksum_before"], out["checksum_after"] = before, trainer.weights_checksum()
+    out["finite_weights"] = all(bool(torch.isfinite(p).all()) for p in trainer.module.parameters())
+    out["adam_steps"] = sum(len(s) for s in trainer.optimizer.state.values())
+    trainer.shutdown()
+    return out
+
+
+def megatron_ddp_grads(rank: int, world: int, port: int, model_dir: str, loss_factor: float) -> list[float]:
+    """The tiny GPT in megatron's DistributedDataParallel on gloo; rank r backs (loss of its own tokens) x
+    `loss_factor` / world (its share of the mean over all ranks), then finalize_model_grads. Returns the
+    first 64 entries of the reduced gradient buffer, and what megatron_grads_finite says before and after a NaN is
+    put into the buffer."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    from vime_core import megatron_model as mm
+    from vime_core.checkpoint import load_hf_state_dict, read_hf_config
+    from vime_core.grads import megatron_grads_finite
+    from vime_core.qwen3_mapping import arch_from_hf_config, hf_to_mcore
+
+    init_gloo_rank(rank, world, port)
+    arch = arch_from_hf_config(read_hf_config(model_dir))
+    cfg = mm.transformer_config(arch, "float32")
+    module = mm.build_gpt(arch, cfg)
+    mm.load_full_weights(module, hf_to_mcore(load_hf_state_dict(model_dir), arch), arch)
+    model = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+                                    module=module)
+    g = torch.Generator().manual_seed(1000 + rank)
+    ids = torch.randint(3, arch.vocab_size, (2, 6), generator=g)
+    pos = torch.arange(6).unsqueeze(0).expand(2, 6)
+    mask = torch.triu(torch.ones(6, 6, dtype=torch.bool), diagonal=1)[None, None]
+    logits = model(input_ids=ids, position_ids=pos, attention_mask=mask)
+    loss = logits.float().square().mean() / world  # this rank's share of the mean over every rank's tokens
+    (loss * loss_factor).backward()
+    finalize_model_grads([model])
+    grads = model.buffers[0].grad_data[:64].tolist()
+    finite = megatron_grads_finite(model)
+    model.buffers[0].grad_data[-1] = float("nan")  # what the trainer's guard must see before megatron's step
+    return {"grads": grads, "finite": finite, "finite_after_nan": megatron_grads_finite(model)}
+
+
+def plain_grads(rank: int, world: int, port: int, model_dir: str) -> list[float]:
+    """Reference for megatron_ddp_grads: one process, the same per-rank batches (seeds 1000 + r for r < 2), the loss
+    summed over them (each divided by 2), plain autograd; the same 64 buffer entries (DDP's buffer order)."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from vime_core import megatron_model as mm
+    from vime_core.checkpoint import load_hf_state_dict, read_hf_config
+    from vime_core.qwen3_mapping import arch_from_hf_config, hf_to_mcore
+
+    init_gloo_rank(rank, world, port)
+    arch = arch_from_hf_config(read_hf_config(model_dir))
+    cfg = mm.transformer_config(arch, "float32")
+    module = mm.build_gpt(arch, cfg)
+    mm.load_full_weights(module, hf_to_mcore(load_hf_state_dict(model_dir), arch), arch)
+    model = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
+                                    module=module)
+    pos = torch.arange(6).unsqueeze(0).expand(2, 6)
+    mask = torch.triu(torch.ones(6, 6, dtype=torch.bool), diagonal=1)[None, None]
+    for r in range(2):
+        ids = torch.randint(3, arch.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1000 + r))
+        (model(input_ids=ids, position_ids=pos, attention_mask=mask).float().square().mean() / 2).backward()
+    return model.buffers[0].grad_data[:64].tolist()
