@@ -1,0 +1,205 @@
+"""The GPU work of bench/gpu_scale.py, one function a phase; each runs in its own child process (see gpu_scale.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_scale import filter_overrides, hf_config, loop_overrides, mfu, pack, step_flops  # noqa: E402
+
+
+def build_checkpoint(shape: str, out: Path, device: str) -> dict:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from vime_core.builtin import RECIPES, build_tokenizer
+
+    t0 = time.time()
+    tok = build_tokenizer(RECIPES["tiny-qwen3-arith"].vocab_size)  # the builtin tokenizer, without the warm-up run
+    tok.padding_side = "left"
+    cfg = Qwen3Config(**hf_config(shape, tok.eos_token_id, tok.pad_token_id))
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda" if device == "cuda" else "cpu"):  # random init on the GPU: ~30 s for 1.7B incl. save
+        model = Qwen3ForCausalLM(cfg)
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = tok.eos_token_id, tok.pad_token_id
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    info = {"shape": shape, "params": sum(p.numel() for p in model.parameters()), "build_s": round(time.time() - t0, 1)}
+    (tmp / "vime_bench_model.json").write_text(json.dumps(info))
+    os.replace(tmp, out)
+    return info
+
+
+def step_prompts(cfg, model_dir: Path, steps: int) -> list[list[list[int]]]:
+    """The prompt ids of each rollout step, in the loop's order (same data buffer, seed and shuffle)."""
+    from transformers import AutoTokenizer
+
+    from vime_core.data import DataBuffer, load_prompts
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    buf = DataBuffer(load_prompts(cfg.data.source, tok, cfg.data), cfg.seed, cfg.data.shuffle)
+    return [[p.prompt_ids for p in buf.next_batch(cfg.rollout.rollout_batch_size)] for _ in range(steps)]
+
+
+def bench_config(args, model_dir: Path, run_dir: Path):
+    from vime_core.config import load_config
+
+    kept, dropped = filter_overrides(loop_overrides(args, model_dir, run_dir))
+    for d in dropped:
+        print(f"[gpu_scale] skipped override {d}: no such field in this RunConfig", flush=True)
+    return load_config(None, kept), kept, dropped
+
+
+def loop_phase(args, model_dir: Path, partial: Path) -> dict:
+    from vime_core.loop import run
+    from vime_core.tracking import MemorySink
+
+    run_dir = Path(args.cache) / "runs" / f"{args.shape}-{args.response_len}-{os.getpid()}"
+    cfg, kept, dropped = bench_config(args, model_dir, run_dir)
+    arch = json.loads((model_dir / "config.json").read_text())
+    prompts = step_prompts(cfg, model_dir, args.steps)
+    rec: dict = {"overrides": kept, "dropped_overrides": dropped, "steps": []}
+    t0 = time.time()
+
+    def on_step(i: int, m: dict) -> None:
+        row = {k: v for k, v in m.items() if isinstance(v, (int, float))}
+        lens = [len(p) + m["rollout/response_len/mean"] for p in prompts[i] for _ in range(args.samples)]
+        row["bench/train_tokens"] = sum(lens)  # prompt + mean response length per sample, as the HF phase counts
+        row["bench/mfu"] = mfu(step_flops(arch, lens) / sum(lens) * m["perf/actor_train_tok_per_s"], 1.0, args.peak_flops)
+        row["bench/at_s"] = round(time.time() - t0, 1)
+        rec["steps"].append(row)
+        partial.write_text(json.dumps(rec, default=str))  # survives a watchdog kill during a later step
+        print(f"[loop] step {i}: rollout {m['perf/rollout_time']:.1f}s {m['perf/tokens_per_gpu_per_sec']:,.0f} tok/s | "
+              f"train {m['perf/train_time']:.1f}s {m['perf/actor_train_tok_per_s']:,.0f} tok/s | sync "
+              f"{m['perf/update_weights_time']:.2f}s | step {m['perf/step_time']:.1f}s | at {row['bench/at_s']}s", flush=True)
+
+    try:
+        result = run(cfg, MemorySink(), on_step=on_step)
+        rec.update(trainer_info=result.trainer_info, engine_info=result.engine_info)
+    finally:
+        import shutil
+
+        shutil.rmtree(run_dir, ignore_errors=True)  # the final checkpoint: GBs of disk
+    return rec
+
+
+def vllm_phase(args, model_dir: Path, partial: Path) -> dict:
+    from vime_core.platform import apply_offline_env
+    from vime_core.rollout import EngineOptions, engine_kwargs, request_seed, sampling_spec
+
+    apply_offline_env()
+    cfg, kept, _ = bench_config(args, model_dir, Path(args.cache) / "runs" / "unused")
+    prompts = step_prompts(cfg, model_dir, args.steps)
+    if args.device == "cpu":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    kwargs = engine_kwargs(EngineOptions(
+        model_path=str(model_dir), dtype=cfg.model.engine_dtype, seed=cfg.seed, platform=cfg.cluster.platform,
+        max_model_len=cfg.data.max_prompt_len + max(cfg.rollout.max_response_len, cfg.eval.max_response_len or 0),
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
+        enforce_eager=cfg.rollout.enforce_eager, sleep_mode=False))
+    kwargs.pop("worker_extension_cls", None)  # raw vLLM: no weight-sync extension
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    rec: dict = {"engine_kwargs": {k: str(v) for k, v in kwargs.items()}, "start_s": time.perf_counter() - t0,
+                 "seeded": not args.vllm_no_seed, "steps": []}
+    spec = sampling_spec(cfg)
+    for step, batch in enumerate(prompts):
+        params = [spec.vllm_params(seed=None if args.vllm_no_seed else request_seed(cfg.seed, step, 0, i))
+                  for i in range(len(batch))]
+        llm.reset_prefix_cache()  # as the loop does at every step
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        lens = [len(c.token_ids) for o in outs for c in o.outputs]
+        rec["steps"].append({"seconds": dt, "tokens": sum(lens), "tok_s": sum(lens) / dt,
+                             "response_len_mean": statistics.fmean(lens), "samples": len(lens)})
+        partial.write_text(json.dumps(rec, default=str))
+        print(f"[vllm] step {step}: {dt:.1f}s {sum(lens) / dt:,.0f} tok/s ({len(lens)} samples)", flush=True)
+    return rec
+
+
+def hf_batches(seqs: list[list[int]], starts: list[int], adv: list[float], budget: int, device):
+    """(input ids, shifted response targets with -100 elsewhere, per-token advantages) per micro-batch."""
+    import torch
+
+    out = []
+    for mb in pack([len(s) for s in seqs], budget):
+        width = max(len(seqs[i]) for i in mb)
+        ids = torch.zeros(len(mb), width, dtype=torch.long)
+        tgt = torch.full((len(mb), width), -100, dtype=torch.long)
+        a = torch.zeros(len(mb), width)
+        for r, i in enumerate(mb):
+            s = torch.tensor(seqs[i])
+            ids[r, : len(s)] = s
+            tgt[r, starts[i] - 1 : len(s) - 1] = s[starts[i]:]
+            a[r, starts[i] - 1 : len(s) - 1] = adv[i]
+        out.append((ids.to(device), tgt.to(device), a.to(device)))
+    return out
+
+
+def hf_phase(args, model_dir: Path, partial: Path) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device("cuda" if args.device == "cuda" else "cpu")
+    cfg, _, _ = bench_config(args, model_dir, Path(args.cache) / "runs" / "unused")
+    prompts = step_prompts(cfg, model_dir, args.steps)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(dev)
+    model.config.use_cache = False
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1,
+                            fused=dev.type == "cuda")
+    arch, vocab = json.loads((model_dir / "config.json").read_text()), model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+
+    def token_logp(ids, tgt):
+        logits = model(input_ids=ids).logits
+        return -F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), ignore_index=-100,
+                                reduction="none").view_as(tgt)
+
+    rec: dict = {"micro_batch_tokens": args.hf_micro_batch_tokens, "dtype": str(dtype), "steps": []}
+    for step, batch in enumerate(prompts):
+        seqs = [p + torch.randint(3, vocab, (args.response_len,), generator=g).tolist() for p in batch
+                for _ in range(args.samples)]
+        starts = [len(p) for p in batch for _ in range(args.samples)]
+        adv = [1.0 if (i % 2) else -1.0 for i in range(len(seqs))]
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        mbs = hf_batches(seqs, starts, adv, args.hf_micro_batch_tokens, dev)
+        with torch.no_grad():
+            old = [token_logp(ids, tgt) for ids, tgt, _ in mbs]
+        n_tok = sum(int((tgt != -100).sum()) for _, tgt, _ in mbs)
+        for (ids, tgt, a), o in zip(mbs, old):
+            ratio = (token_logp(ids, tgt) - o).exp()
+            pg = -torch.minimum(ratio * a, ratio.clamp(0.8, 1.28) * a)
+            ((pg * (tgt != -100)).sum() / n_tok).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+        tokens = sum(len(s) for s in seqs)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
+        rec["steps"].append({"seconds": dt, "tokens": tokens, "tok_s": tokens / dt, "peak_gib": peak,
+                             "micro_batches": len(mbs), "mfu": mfu(step_flops(arch, [len(s) for s in seqs]), dt,
+                                                                    args.peak_flops)})
+        partial.write_text(json.dumps(rec))
+        print(f"[hf] step {step}: {dt:.1f}s {tokens / dt:,.0f} tok/s, {len(mbs)} micro-batches, peak {peak} GiB", flush=True)
+    return rec
+

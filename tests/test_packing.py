@@ -1,0 +1,78 @@
+"""Token-budget micro-batches (train.pack_micro_batches) and the variable-length attention of packed rows
+(vime_core.attention), in plain torch: packed attention == each sample alone, values and gradients, fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vime_core.attention import group_lengths, varlen_attention, varlen_layout
+from vime_core.train import pack_micro_batches
+
+
+@pytest.mark.parametrize("lengths, budget", [
+    ([4136, 4136, 1064, 40, 4100, 900, 900, 12], 9216),
+    ([5, 3, 8, 1, 1, 9, 2, 7], 10),
+    ([100] * 7, 250),
+])
+def test_micro_batches_hold_every_sample_once_within_the_budget(lengths, budget):
+    batches = pack_micro_batches(lengths, budget)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or sum(lengths[i] for i in b) <= budget
+
+
+def test_the_budget_counts_tokens_not_padded_rows():
+    # one 4,136-token sample and five of 1,000 tokens: 9,136 tokens fit one micro-batch; the padded cost of the same
+    # rows would be 6 x 4,136 (the old packer made two micro-batches of it)
+    lengths = [1000, 4136, 1000, 1000, 1000, 1000]
+    assert pack_micro_batches(lengths, 9216) == [[1, 0, 2, 3, 4, 5]]
+
+
+def test_a_sample_over_the_budget_gets_its_own_micro_batch():
+    batches = pack_micro_batches([50, 300, 40], 100)
+    assert [1] in batches
+    assert sorted(map(sorted, batches)) == [[0, 2], [1]]
+
+
+def test_packing_is_deterministic():
+    lengths = [7, 3, 7, 3, 9, 1]
+    assert pack_micro_batches(lengths, 12) == pack_micro_batches(list(lengths), 12)
+
+
+@pytest.mark.parametrize("lens", [[5, 9, 5, 2, 16, 16, 1], [40, 3], [12]])
+def test_groups_bound_the_padding(lens):
+    groups = group_lengths(lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    for g in groups:
+        padded = len(g) * max(lens[i] for i in g)
+        assert len(g) == 1 or padded <= 1.25 * sum(lens[i] for i in g)
+
+
+def _alone(q, k, v, lens, scale):
+    """Each sample on its own: [t, h, d] -> [t, h, d], GQA by repeating k/v heads."""
+    rep = q.size(1) // k.size(1)
+    outs, start = [], 0
+    for n in lens:
+        qs, ks, vs = (x[start : start + n].transpose(0, 1) for x in (q, k, v))
+        ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1))
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("lens", [[5, 9, 5, 2, 16, 16, 1], [7], [3, 30]])
+def test_varlen_attention_equals_each_sample_alone(lens):
+    g = torch.Generator().manual_seed(len(lens))
+    t, heads, groups, d = sum(lens), 4, 2, 8
+    q, k, v = (torch.randn(t, n, d, generator=g, dtype=torch.float32).requires_grad_(True) for n in (heads, groups, groups))
+    upstream = torch.randn(t, heads, d, generator=g, dtype=torch.float32)
+    scale = d ** -0.5
+    got = varlen_attention(q, k, v, varlen_layout(lens, "cpu"), scale)
+    grads = torch.autograd.grad((got * upstream).sum(), (q, k, v))
+    want = _alone(q, k, v, lens, scale)
+    want_grads = torch.autograd.grad((want * upstream).sum(), (q, k, v))
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    for a, b in zip(grads, want_grads):
+        assert torch.allclose(a, b, atol=1e-5, rtol=0)

@@ -1,0 +1,194 @@
+"""Trainer GPU memory: optimizer offload while vLLM generates (colocated GPUs), peak memory per phase, and a clear error
+when a micro-batch budget does not fit.
+
+Colocated, the trainer and vLLM share each GPU; vLLM sleeps while the trainer works, and the trainer's optimizer side
+(Adam moments, fp32 main params, gradient buffers: 16 of the 18 bytes per parameter of a bf16 model with megatron's
+optimizer) is idle while vLLM generates. `HostOffload` moves it to pinned host memory after the optimizer step and back
+before the next training step. Measured on an H200, Qwen3-1.7B shape, megatron optimizer: allocated 28.9 GiB -> 4.6 GiB
+(19.2 GiB copied to host, the 6.4 GiB fp32 gradient buffer freed), offload 0.44 s, onload 0.45 s, state bit-identical. Tensors keep their identity (`.data` is swapped), so the
+optimizers and megatron's DDP see the same objects; megatron's contiguous gradient buffers are freed by resizing their
+storage to 0 (their `main_grad` views stay valid) and zeroed on the way back (the next step zeroes them anyway).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from contextlib import contextmanager
+
+import torch
+
+from vime_core.errors import VimeError
+
+
+class MemoryBudgetError(VimeError, RuntimeError):
+    """A training micro-batch did not fit in device memory; the message names train.max_tokens_per_device."""
+
+
+def budget_error(budget: int, longest: int, device: torch.device, where: str) -> MemoryBudgetError:
+    gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    suggest = max(longest, budget // 2)
+    fix = (f"lower it to {suggest} (the longest sample has {longest} tokens) or set train.recompute = selective / full"
+           if suggest < budget else
+           "the longest sample alone does not fit: set train.recompute = full, or use tensor parallelism")
+    return MemoryBudgetError(f"train.max_tokens_per_device = {budget} does not fit on {device} (out of memory in the "
+                             f"{where}, peak {gib:.1f} GiB allocated): {fix}")
+
+
+def offload_enabled(setting, colocate: bool, platform: str) -> bool:
+    """train.offload_optimizer: `auto` on colocated GPUs, `true` on any GPU placement, never on CPU."""
+    if platform == "cpu" or setting is False:
+        return False
+    return colocate if setting == "auto" else True
+
+
+def train_step_memory(train):
+    """Wraps `Trainer.train`: the step's peak GPU memory (phase `train`) and offload timings join its metrics on CUDA,
+    and an out-of-memory error becomes a MemoryBudgetError naming train.max_tokens_per_device."""
+
+    @functools.wraps(train)
+    def wrapper(self, rollout_id: int, steps: list) -> dict:
+        try:
+            with self.peaks.phase("train"):
+                metrics = train(self, rollout_id, steps)
+        except torch.OutOfMemoryError as e:
+            longest = max((len(s.tokens) for step in steps for s in step), default=0)
+            raise budget_error(self.cfg.train.max_tokens_per_device, longest, self.device, "training step") from e
+        if self.device.type == "cuda":
+            metrics["perf/trainer_peak_gib"] = self.peaks.last.get("train", 0.0)
+            metrics["perf/trainer_logprobs_peak_gib"] = self.peaks.last.get("logprobs", 0.0)
+            metrics["perf/trainer_offloaded_gib"] = self.peaks.last.get("offloaded", 0.0)
+            metrics["perf/optimizer_offload_time"] = self.offload_times["offload"]
+            metrics["perf/optimizer_onload_time"] = self.offload_times["onload"]
+        return metrics
+
+    return wrapper
+
+
+class PhasePeaks:
+    """Peak allocated GPU memory per phase (torch.cuda.max_memory_allocated, reset when a phase starts)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.last: dict[str, float] = {}  # the latest run of each phase
+        self.max: dict[str, float] = {}  # over the whole run
+
+    @contextmanager
+    def phase(self, name: str):
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            yield
+        finally:
+            if cuda:
+                self.record(name, torch.cuda.max_memory_allocated(self.device) / 2**30)
+
+    def record(self, name: str, gib: float) -> None:
+        self.last[name] = gib
+        self.max[name] = max(gib, self.max.get(name, 0.0))
+
+
+def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside megatron's (chained / mixed-precision / distributed) optimizer, or `optimizer`."""
+    out = []
+    for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(o, "optimizer", None)
+        out.append(inner if isinstance(inner, torch.optim.Optimizer) else o)
+    return out
+
+
+def _grad_buffers(model) -> list[torch.Tensor]:
+    """megatron DDP's contiguous gradient buffers (none for a plain module), except ones sharing storage with params."""
+    out = []
+    # megatron's DDP keeps lists `buffers` / `expert_parallel_buffers` (on a plain module `buffers` is nn.Module's method)
+    lists = [getattr(model, name, None) for name in ("buffers", "expert_parallel_buffers")]
+    for buf in [b for bufs in lists if isinstance(bufs, list) for b in bufs]:
+        grad = getattr(buf, "grad_data", None)
+        param = getattr(buf, "param_data", None)
+        if grad is None or (param is not None and param.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()):
+            continue
+        out.append(grad)
+    return out
+
+
+class HostOffload:
+    """Moves one rank's optimizer state, fp32 main params and gradients to pinned host memory and back."""
+
+    def __init__(self, optimizer, model, module: torch.nn.Module, device: torch.device):
+        self.optimizer, self.model, self.module, self.device = optimizer, model, module, device
+        self._pinned: dict[int, torch.Tensor] = {}  # host buffers, kept across steps (pinning is slow)
+        self._moved: list[torch.Tensor] = []
+        self._freed: list[tuple[torch.Tensor, int]] = []
+        self.offloaded = False
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Optimizer-side tensors on the device: state (Adam moments) and main params that are not model weights."""
+        own = {id(p) for p in self.module.parameters()}
+        seen, out = set(), []
+        for opt in _torch_optimizers(self.optimizer):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if id(p) not in own and p.device == self.device and id(p) not in seen:
+                        seen.add(id(p))
+                        out.append(p)
+            for st in opt.state.values():
+                for t in st.values():
+                    if isinstance(t, torch.Tensor) and t.device == self.device and id(t) not in seen:
+                        seen.add(id(t))
+                        out.append(t)
+        return out
+
+    def offload(self) -> float:
+        """Device -> pinned host; frees gradients. Returns seconds."""
+        if self.offloaded:
+            return 0.0
+        cuda = self.device.type == "cuda"  # elsewhere (tests on CPU) the "host" copies are plain CPU tensors
+        t0 = time.perf_counter()
+        for p in self.module.parameters():
+            p.grad = None  # torch AdamW's grads; the next step starts with zero_grad(set_to_none) anyway
+        tensors = self._tensors()
+        for t in tensors:
+            if isinstance(t, torch.nn.Parameter):
+                t.grad = None  # megatron's fp32 main grads: views of its buffer, set again by the next step
+        hosts = []
+        for t in tensors:
+            host = self._pinned.get(id(t))
+            if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=cuda)
+                self._pinned[id(t)] = host
+            host.copy_(t, non_blocking=True)
+            hosts.append(host)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        for t, host in zip(tensors, hosts):
+            t.data = host
+        self._moved = tensors
+        self._freed = []
+        for grad in _grad_buffers(self.model):
+            storage = grad.untyped_storage()
+            self._freed.append((grad, storage.nbytes()))
+            storage.resize_(0)
+        self.offloaded = True
+        if cuda:
+            torch.cuda.empty_cache()  # hand the memory to vLLM: the caching allocator would keep it otherwise
+        return time.perf_counter() - t0
+
+    def onload(self) -> float:
+        """Pinned host -> device. Returns seconds."""
+        if not self.offloaded:
+            return 0.0
+        t0 = time.perf_counter()
+        for grad, nbytes in self._freed:
+            grad.untyped_storage().resize_(nbytes)
+            grad.zero_()
+        for t in self._moved:
+            t.data = t.data.to(self.device, non_blocking=True, copy=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._moved, self._freed = [], []
+        self.offloaded = False
+        return time.perf_counter() - t0
+
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._pinned.values())
