@@ -3,8 +3,13 @@
     vime-pipeline --config configs/tiny-cpu.yaml [--set section.field=value ...]
     prefect deployment run 'grpo-pipeline/nightly' --watch         (see infra/prefect.yaml, flows/nightly.py)
 
-A re-run (or a retried train task) resumes from the latest checkpoint of the config's output_dir and continues the
-same MLflow run; a finished run with a larger `rollout.num_rollout` extends it.
+Two modes (the `nightly` parameter):
+- nightly=False (`vime-pipeline`): the config's output_dir as it is. A re-run (or a retried train task) resumes from
+  its latest checkpoint and continues the same MLflow run; a larger `rollout.num_rollout` extends it.
+- nightly=True (the deployment's default): a new candidate from the current champion, in its own output dir and
+  MLflow run, keyed by the flow run (tasks/nightly.py); a retry of that flow run resumes it.
+A run with nothing new to train or register ends Completed under the name `NothingTrained`, with the reason as its
+message and a "Nothing trained" artifact, and registers nothing. The output dir is locked for the whole run.
 """
 
 from __future__ import annotations
@@ -16,55 +21,120 @@ from typing import Any
 import flows  # noqa: F401  (offline variables before Prefect loads)
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from prefect.states import Completed
 
-from tasks.common import artifact_key, markdown
+from tasks.common import artifact_key, markdown, train_timeout
 from tasks.convert import convert_checkpoint
 from tasks.download import download_dataset, download_model
 from tasks.evaluate import evaluate, log_evaluation
+from tasks.nightly import candidate_config, run_label
 from tasks.register import export_hf, register_model
 from tasks.tracking import finish_tracking, start_tracking, tracking_target
 from tasks.train import start_fresh, train_grpo
-from vime_core.config import load_config
+from vime_core.config import RunConfig, load_config
+from vime_core.runlock import output_dir_lock
+
+NOTHING_TRAINED = "NothingTrained"  # the Prefect state name (type COMPLETED) of a run that trained nothing new
 
 
 @flow(name="grpo-pipeline", log_prints=True)
-def grpo_pipeline(config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
+def grpo_pipeline(config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | None = None, nightly: bool = False):
     """GRPO post-training of a Qwen3 model, from source checkpoint to a registered, evaluated policy."""
     logger = get_run_logger()
     cfg = load_config(config_path, overrides or [])  # a bad config fails here, before any work
-    config = cfg.model_dump(mode="json")
-
-    model = download_model(cfg.model.source, tracking_target(cfg)[0])
-    for source in [cfg.data.source, *(d.source for d in cfg.eval.datasets)]:
-        download_dataset(source)
-    run_id = start_tracking(config, model, flow_run.get_name())
-    if cfg.checkpoint.start_fresh:
-        config = start_fresh(config)
-    converted = convert_checkpoint(model, str(cfg.output_dir), cfg.model.dtype)
+    flow_run_id = flow_run.get_id()
     try:
-        trained = train_grpo(config, model, converted, run_id)
-        if not trained["last_checkpoint"]:
-            raise RuntimeError("training produced no checkpoint")
-        exported = export_hf(config, trained["last_checkpoint"])
-        final, registry = {}, {"registered": False, "reason": "no eval dataset: nothing to compare a champion on"}
-        if cfg.eval.datasets:
-            final = evaluate(config, exported)
-            log_evaluation(config, final, exported, run_id)
-            registry = register_model(config, exported, run_id, final)
-    except BaseException:
-        finish_tracking(config, run_id, {}, status="FAILED")
+        if nightly:
+            cfg = candidate_config(cfg, flow_run_id, flow_run.get_scheduled_start_time())
+            logger.info(f"nightly candidate from {cfg.model.source} in {cfg.output_dir}")
+        with output_dir_lock(cfg.output_dir, flow_run_id):
+            summary = run_stages(cfg, flow_run_id)
+    except Exception as e:
+        report_failure(cfg.name, e)
         raise
-
-    summary = pipeline_summary(cfg, trained, final, registry, exported, run_id)
-    finish_tracking(config, run_id, {k: v for k, v in summary.items() if isinstance(v, float)})
+    if summary.get("nothing_trained"):
+        markdown("Nothing trained", {"why": summary["nothing_trained"], "registered": "nothing"},
+                 key=artifact_key(cfg.name, "pipeline"))
+        logger.warning(f"nothing trained: {summary['nothing_trained']}")
+        flush_logs()
+        return Completed(name=NOTHING_TRAINED, message=summary["nothing_trained"], data=summary)
     markdown("GRPO pipeline", summary, key=artifact_key(cfg.name, "pipeline"))
     logger.info("pipeline done: %s", summary)
     return summary
 
 
+def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
+    config = cfg.model_dump(mode="json")
+    model = download_model(cfg.model.source, tracking_target(cfg)[0])
+    datasets = [download_dataset(s) for s in dict.fromkeys([cfg.data.source, *(d.source for d in cfg.eval.datasets)])]
+    run_name = f"{cfg.name}-{cfg.output_dir.name}" if cfg.output_dir.parent.name == "nightly" else run_label(cfg, flow_run_id, None)
+    run_id = start_tracking(config, model, run_name, flow_run_id, datasets)
+    if cfg.checkpoint.start_fresh:
+        config = start_fresh(config)
+    converted = convert_checkpoint(model, str(cfg.output_dir), cfg.model.dtype)
+    try:
+        train = train_grpo.with_options(timeout_seconds=train_timeout(cfg.rollout.num_rollout))
+        trained = train(config, model, converted, run_id, flow_run_id)
+        if not trained["last_checkpoint"]:
+            raise RuntimeError("training produced no checkpoint")
+        step = trained["last_rollout_id"] + 1
+        if trained["nothing_trained"] and already_registered(cfg, run_id, trained["last_checkpoint"]):
+            reason = f"{trained['nothing_trained']}; its policy is already registered"
+            finish_tracking(config, run_id, {}, step=step, tags={"vime.last_attempt": f"nothing trained: {reason}"[:5000]})
+            return {"config": cfg.name, "mlflow_run_id": run_id, "checkpoints": str(cfg.save_dir), "nothing_trained": reason}
+        exported = export_hf(config, trained["last_checkpoint"])
+        final, registry = {}, {"registered": False, "reason": "no eval dataset: nothing to compare a champion on"}
+        if cfg.eval.datasets:
+            final = evaluate(config, exported)
+            log_evaluation(config, final, exported, run_id, step=step)
+            registry = register_model(config, exported, run_id, final, trained["last_checkpoint"])
+    except BaseException:
+        finish_tracking(config, run_id, {}, status="FAILED")
+        raise
+    summary = pipeline_summary(cfg, trained, final, registry, exported, run_id)
+    finish_tracking(config, run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, step=step)
+    return summary
+
+
+def already_registered(cfg: RunConfig, run_id: str | None, checkpoint: str) -> bool:
+    """Whether this MLflow run already registered the policy of `checkpoint` (a retry after registration, or a
+    re-run of a finished run): then nothing is new. Without tracking, nothing trained means nothing new."""
+    if not run_id:
+        return True
+    from vime_core.tracking import MlflowRun
+
+    tags = MlflowRun(*tracking_target(cfg), run_id=run_id).client.get_run(run_id).data.tags
+    from pathlib import Path
+
+    registered = tags.get("vime.registered_checkpoint")
+    return registered is not None and Path(registered).resolve() == Path(checkpoint).resolve()
+
+
+def report_failure(config_name: str, e: BaseException) -> None:
+    """One line for `--watch` users and the flow-run logs, and a "Pipeline failed" artifact in the UI."""
+    from vime_core.errors import one_line
+
+    line = one_line(e)
+    get_run_logger().error(f"pipeline failed: {line}")
+    flush_logs()
+    try:
+        markdown("Pipeline failed", {"error": line.replace("|", "/")}, key=artifact_key(config_name, "pipeline"),
+                 note="The task that raised it and its traceback are in the flow run's logs.")
+    except Exception:  # noqa: BLE001 - the API may be what failed; the log line above is enough then
+        pass
+
+
+def flush_logs() -> None:
+    """Send the queued log lines now: `prefect deployment run --watch` stops streaming at the final state, and a
+    line still in the 2 s log batch (the reason of a failure) would never reach it."""
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+
+
 def pipeline_summary(cfg, trained: dict, final: dict, registry: dict, exported: str, run_id: str | None) -> dict[str, Any]:
     out: dict[str, Any] = {"config": cfg.name, "mlflow_run_id": run_id, "checkpoints": str(cfg.save_dir), "export": exported,
-                           "resumed_from": trained.get("resumed_from")}
+                           "resumed_from": trained.get("resumed_from"), "steps trained": trained.get("steps_trained")}
     for name in (d.name for d in cfg.eval.datasets):
         key = f"eval/{name}/pass@1"
         if key in trained["baseline_eval"]:
@@ -85,15 +155,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vime-pipeline", description=__doc__.splitlines()[0])
     parser.add_argument("--config", "-c", default="configs/tiny-cpu.yaml")
     parser.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    parser.add_argument("--debug", action="store_true", help="Show the traceback of an error (also VIME_DEBUG=1).")
     args = parser.parse_args(argv)
-    from vime_core.config import ConfigError
+    from vime_core.errors import VimeError, debug_requested, one_line
+    from vime_core.orphans import start_watchdog
 
+    start_watchdog()  # a SIGKILLed pipeline takes its temporary Prefect server, Ray and the actors with it
     try:
         cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    summary = grpo_pipeline(args.config, args.overrides)
+        summary = grpo_pipeline(args.config, args.overrides)
+    except Exception as e:
+        cause = getattr(e, "cause", None)  # an error raised inside a Ray actor
+        user = cause if isinstance(cause, VimeError) else e
+        if args.debug or debug_requested([]) or not isinstance(user, VimeError):
+            raise
+        print(f"{one_line(user)}  (--debug shows the traceback)", file=sys.stderr)
+        return user.exit_code
     print("\n=== vime-flow pipeline summary ===")
     for k, v in summary.items():
         print(f"  {k}: {v:.4f}" if isinstance(v, float) else f"  {k}: {v}")

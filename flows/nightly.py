@@ -2,8 +2,11 @@
 
     python -m flows.nightly --cron "0 2 * * *" --config configs/tiny-cpu.yaml
 
-Runs until stopped; each scheduled run resumes/extends the config's run (same output_dir, same MLflow run) or, with
-`--set checkpoint.start_fresh=true`, starts a fresh one and competes for the `champion` alias.
+Runs until stopped. Each scheduled run trains a new candidate from the current champion in its own output dir and
+MLflow run (nightly semantics: flows/grpo_pipeline.py, tasks/nightly.py) and competes for the `champion` alias.
+The deployment is called `nightly-serve`: `serve` takes over a deployment of the same name, and `nightly` is the
+one infra/prefect.yaml creates for a work pool (serving under that name would drop its pool and pull step, and
+leave it paused when stopped). One run at a time (`global_limit=1`, as in infra/prefect.yaml).
 """
 
 from __future__ import annotations
@@ -15,21 +18,28 @@ import flows  # noqa: F401
 from flows.grpo_pipeline import grpo_pipeline
 
 DEFAULT_CRON = "0 2 * * *"  # 02:00 every night
+DEFAULT_NAME = "nightly-serve"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flows.nightly", description=__doc__.splitlines()[0])
     parser.add_argument("--cron", default=DEFAULT_CRON)
-    parser.add_argument("--name", default="nightly")
+    parser.add_argument("--name", default=DEFAULT_NAME)
     parser.add_argument("--config", "-c", default="configs/tiny-cpu.yaml")
     parser.add_argument("--set", "-s", dest="overrides", action="append", default=[])
     args = parser.parse_args(argv)
+    if args.name == "nightly":
+        print("--name nightly would take over the deployment made from infra/prefect.yaml; choose another name",
+              file=sys.stderr)
+        return 2
     grpo_pipeline.serve(
         name=args.name,
         cron=args.cron,
-        parameters={"config_path": args.config, "overrides": args.overrides},
-        description="Nightly GRPO post-training: download, convert, train, evaluate, register.",
+        parameters={"config_path": args.config, "overrides": args.overrides, "nightly": True},
+        description="Nightly GRPO post-training: a candidate from the champion, trained, evaluated, registered.",
         tags=["vime-flow", "nightly"],
+        limit=1,
+        global_limit=1,  # the deployment's concurrency limit, as in infra/prefect.yaml
     )
     return 0
 

@@ -1,4 +1,4 @@
-"""What every task shares: config (de)serialisation, retry policy, artifact helpers."""
+"""What every task shares: config (de)serialisation, retry policy, timeouts, artifact helpers."""
 
 from __future__ import annotations
 
@@ -11,6 +11,34 @@ from prefect.tasks import exponential_backoff
 from vime_core.config import RunConfig, config_from_dict
 
 RETRY_DELAYS = exponential_backoff(backoff_factor=5)  # 5 s, 10 s, 20 s, ...
+
+# Hang guards, not estimates: a task past these is stuck (a dead NCCL peer, an engine that stopped answering).
+# The slowest real stages seen: converting a 30B checkpoint and the 30B config's GRPO step take minutes, not hours.
+HOUR = 3600
+TIMEOUTS = {"download": 6 * HOUR, "convert": 4 * HOUR, "export": 4 * HOUR, "evaluate": 4 * HOUR, "register": 2 * HOUR,
+            "tracking": 600}
+TRAIN_TIMEOUT_PER_STEP = HOUR  # the train task gets 1 h + 1 h per rollout step
+
+
+def train_timeout(num_rollout: int) -> int:
+    return HOUR + TRAIN_TIMEOUT_PER_STEP * num_rollout
+
+
+def is_transient(task, task_run, state) -> bool:
+    """Prefect `retry_condition_fn`: retry crashes, lost actors, timeouts and I/O errors; never the errors a user has
+    to fix (VimeError: a bad config, dataset, model source or checkpoint, a busy output dir), which fail at once.
+    An actor timeout is a VimeError too, but a retry on a fresh cluster may get past it."""
+    from vime_core.errors import ActorTimeoutError, VimeError
+
+    try:
+        state.result()
+    except ActorTimeoutError:
+        return True
+    except VimeError:
+        return False
+    except BaseException:  # noqa: BLE001 - anything else may be transient (a preempted node, a lost actor)
+        return True
+    return True
 
 
 def cfg_of(config: dict[str, Any]) -> RunConfig:

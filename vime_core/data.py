@@ -16,14 +16,15 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from vime_core.errors import VimeError
 from vime_core.sample import Sample
 
 log = logging.getLogger(__name__)
 
 
-class DatasetError(ValueError):
+class DatasetError(VimeError, ValueError):
     """A dataset cannot be read; the message names the source, the row (1-based) and the problem."""
 
 
@@ -156,6 +157,16 @@ def _check_label(value: Any) -> str:
     raise ValueError(f"label must be text or a number, got {type(value).__name__}: {str(value)[:80]!r}")
 
 
+def check_chat_template(tokenizer, data_cfg) -> None:
+    """A tokenizer without a chat template cannot render any row: say so once, with the fix (not as a bad row)."""
+    if data_cfg.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise DatasetError(
+            f"the model's tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat template, so "
+            "data.apply_chat_template=true cannot render prompts; set data.apply_chat_template=false to feed the "
+            "prompt text as is, or use a model whose tokenizer_config.json / chat_template.jinja has one"
+        )
+
+
 def render_prompt(tokenizer, prompt: list[dict[str, str]] | str, apply_chat_template: bool) -> str:
     if not apply_chat_template:
         return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
@@ -165,6 +176,7 @@ def render_prompt(tokenizer, prompt: list[dict[str, str]] | str, apply_chat_temp
 
 def load_prompts(source: str, tokenizer, data_cfg, max_prompts: int | None = None, require_label: bool = True) -> PromptSet:
     """Read, validate and tokenise a prompt dataset (see module doc for the error rules)."""
+    check_chat_template(tokenizer, data_cfg)
     rows = read_rows(source)
     out = PromptSet(source, [])
 
@@ -216,6 +228,25 @@ def _parse_row(n: int, row: Any, tokenizer, data_cfg, require_label: bool) -> tu
     text = render_prompt(tokenizer, prompt, data_cfg.apply_chat_template)
     meta = row.get("metadata") if isinstance(row.get("metadata"), dict) else {}
     return n, text, label, dict(meta)
+
+
+def check_labels(prompts: PromptSet, usable: Callable[[list[str]], list[bool]], label_key: str) -> int:
+    """Count the labels that `usable` (the reward's verifier) cannot read: such a prompt scores 0 on every sample.
+    Warns with the count and examples; raises DatasetError, naming the dataset and the field, when no label is
+    usable. Returns the count."""
+    labelled = [p for p in prompts.prompts if p.label is not None]
+    if not labelled:
+        return 0
+    bad = [p for p, ok in zip(labelled, usable([p.label for p in labelled])) if not ok]
+    examples = ", ".join(f"row {p.index + 1}: {p.label!r}" for p in bad[:3])
+    if len(bad) == len(labelled):
+        raise DatasetError(f"dataset {prompts.source}: none of its {len(bad)} labels (field {label_key!r}, "
+                           f"data.label_key) can be read by the math verifier ({examples}); fix the labels, point "
+                           f"data.label_key at the answer field, or use a custom rollout.reward")
+    if bad:
+        log.warning("%s: %d of %d labels (field %r) cannot be read by the math verifier and will score 0 on every "
+                    "sample (%s)", prompts.source, len(bad), len(labelled), label_key, examples)
+    return len(bad)
 
 
 # --------------------------------------------------------------------------------------------------------------------

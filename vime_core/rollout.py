@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vime_core.aio import run_sync
+from vime_core.errors import VimeError
 from vime_core.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,29 @@ class EngineOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class CustomGenerateError(VimeError, ValueError):
+    """rollout.custom_generate cannot be used; the message says why."""
+
+
+def load_custom_generate(spec: str):
+    """The `async def` function named by rollout.custom_generate; raises CustomGenerateError naming the problem
+    (checked in `prepare`, in seconds, and again in each engine)."""
+    import inspect
+
+    from vime_core.rewards import load_callable
+
+    try:
+        fn = load_callable(spec)
+    except Exception as e:  # ImportError (load_callable says ValueError), SyntaxError, a failing module body
+        detail = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
+        raise CustomGenerateError(f"rollout.custom_generate = {spec!r} cannot be loaded: {detail}") from None
+    target = getattr(fn, "__call__", fn) if not inspect.isfunction(fn) else fn
+    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(target)):
+        raise CustomGenerateError(f"rollout.custom_generate = {spec!r} must be `async def` (it is a plain function): "
+                                  "`async def fn(ctx, sample, sampling) -> Sample`, awaiting ctx.generate(...)")
+    return fn
+
+
 def engine_kwargs(opts: EngineOptions) -> dict[str, Any]:
     """The keyword arguments of vLLM's `LLM` for these options (pure, so that tests can check the choices)."""
     kwargs: dict[str, Any] = dict(
@@ -121,24 +145,26 @@ class VLLMEngine:
     """A vLLM `LLM` in this process. Run it as a Ray actor (see cluster.py); usable directly in tests."""
 
     def __init__(self, opts: EngineOptions):
+        from vime_core.logs import quiet_vllm
         from vime_core.platform import apply_offline_env
 
         apply_offline_env()
+        quiet_vllm()  # WARNING unless VLLM_LOGGING_LEVEL says otherwise; the harmless per-sync rotary warning dropped
         if opts.platform == "cpu":
             # in-process engine core: starts in seconds instead of ~30 s and needs no extra process
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
+        quiet_vllm()  # again: vLLM's own handler exists now
         self.opts = opts
         kwargs = engine_kwargs(opts)
+        kwargs.setdefault("use_tqdm_on_load", False)  # a 3-line progress bar for loading one file, at every start
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0
         self.custom_generate = None
         if opts.custom_generate:
-            from vime_core.rewards import load_callable
-
-            self.custom_generate = load_callable(opts.custom_generate)
+            self.custom_generate = load_custom_generate(opts.custom_generate)
         log.info("vLLM engine up in %.1fs (%s, %s)", self.start_seconds, opts.model_path, opts.dtype)
 
     def ready(self) -> float:
@@ -283,28 +309,31 @@ def assign_groups(costs: list[int], num_engines: int) -> list[list[int]]:
 class RolloutRouter:
     """Spreads groups over engine actors and gathers the samples back in request order."""
 
-    def __init__(self, engines: list[Any]):
+    def __init__(self, engines: list[Any], timeout_s: float | None = None):
         if not engines:
             raise ValueError("the router needs at least one engine")
         self.engines = engines
+        self.timeout_s = timeout_s  # rollout.timeout_s: a call that takes longer raises naming the engine
 
     def generate(self, requests: list[GroupRequest], spec: SamplingSpec) -> list[list[Sample]]:
-        import ray
+        from vime_core.cluster import gather
 
         parts = assign_groups([len(r.template.prompt_ids) * spec.n for r in requests], len(self.engines))
-        futures = [
-            (ix, eng.generate.remote([requests[i] for i in ix], spec)) for eng, ix in zip(self.engines, parts) if ix
-        ]
+        busy = [(e, ix) for e, ix in enumerate(parts) if ix]
+        futures = [self.engines[e].generate.remote([requests[i] for i in ix], spec) for e, ix in busy]
+        results = gather(futures, [f"vLLM engine {e}" for e, _ in busy], f"generate ({sum(len(ix) for _, ix in busy)} "
+                         f"prompt groups)", self.timeout_s, "rollout.timeout_s")
         out: list[list[Sample] | None] = [None] * len(requests)
-        for ix, fut in futures:
-            for i, group in zip(ix, ray.get(fut)):
+        for (_, ix), groups in zip(busy, results):
+            for i, group in zip(ix, groups):
                 out[i] = group
         return out  # type: ignore[return-value]
 
-    def call_all(self, method: str, *args: Any) -> list[Any]:
-        import ray
+    def call_all(self, method: str, *args: Any, timeout_s: float | None = None, setting: str = "rollout.timeout_s") -> list[Any]:
+        from vime_core.cluster import gather
 
-        return ray.get([getattr(e, method).remote(*args) for e in self.engines])
+        refs = [getattr(e, method).remote(*args) for e in self.engines]
+        return gather(refs, [f"vLLM engine {i}" for i in range(len(refs))], method, timeout_s or self.timeout_s, setting)
 
 
 # --------------------------------------------------------------------------------------------------------------------

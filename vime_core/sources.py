@@ -16,11 +16,13 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from vime_core.errors import VimeError
+
 MODEL_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json", "tokenizer*",
                   "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "*.model"]
 
 
-class SourceError(ValueError):
+class SourceError(VimeError, ValueError):
     """A source cannot be resolved; the message says what to fix."""
 
 
@@ -45,6 +47,18 @@ def content_hash(path: Path) -> str:
                 fh.seek(max(2**20, st.st_size - 2**20))
                 h.update(fh.read(2**20))
     return h.hexdigest()[:16]
+
+
+def weights_digest(path: Path) -> str:
+    """Full sha256 over (relative name, bytes) of every file of a checkpoint directory: the identity of registered
+    and evaluated weights (content_hash above samples only the ends of each file)."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(path).rglob("*") if p.is_file() and not p.name.endswith(".lock")):
+        h.update(f"{f.relative_to(path)}\0".encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(2**24):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 def _split_revision(spec: str) -> tuple[str, str | None]:

@@ -151,8 +151,10 @@ class WeightSync:
     their memory while the trainer works (`release_engines`) and take it back around the push: weights first, then
     the KV cache once the new weights are in."""
 
-    def __init__(self, trainer_group, router, strategy: str, bucket_size_mb: int = 512, engines_sleep: bool = False):
+    def __init__(self, trainer_group, router, strategy: str, bucket_size_mb: int = 512, engines_sleep: bool = False,
+                 timeout_s: float | None = None):
         self.trainer, self.router, self.strategy = trainer_group, router, strategy
+        self.timeout_s = timeout_s  # sync.timeout_s, for each actor call of a push
         self.bucket_bytes = bucket_size_mb * 2**20
         self.engines_sleep = engines_sleep
         self._asleep = False
@@ -160,14 +162,14 @@ class WeightSync:
 
     def release_engines(self) -> None:
         if self.engines_sleep:
-            self.router.call_all("sleep", 1)
+            self._engines("sleep", 1)
             self._asleep = True
 
     def push(self) -> float:
         """Returns seconds spent (perf/update_weights_time)."""
         t0 = time.perf_counter()
         if self._asleep:
-            self.router.call_all("wake_up", ["weights"])
+            self._engines("wake_up", ["weights"])
         if self.strategy == "cpu":
             self._push_cpu()
         elif self.strategy == "cuda_ipc":
@@ -177,57 +179,68 @@ class WeightSync:
         else:
             raise ValueError(f"unknown sync strategy {self.strategy!r}")
         if self._asleep:
-            self.router.call_all("wake_up", ["kv_cache"])
+            self._engines("wake_up", ["kv_cache"])
             self._asleep = False
-        self.router.call_all("reset_prefix_cache")  # never serve KV computed with the old weights
+        self._engines("reset_prefix_cache")  # never serve KV computed with the old weights
         return time.perf_counter() - t0
+
+    def _engines(self, method: str, *args):
+        return self.router.call_all(method, *args, timeout_s=self.timeout_s, setting="sync.timeout_s")
+
+    def _trainers(self, method: str, *args):
+        return self.trainer.call_all(method, *args, timeout_s=self.timeout_s, setting="sync.timeout_s")
+
+    def _get(self, refs: list, who: list[str], doing: str) -> list:
+        from vime_core.cluster import gather
+
+        return gather(refs, who, doing, self.timeout_s, "sync.timeout_s")
 
     def _push_ipc(self) -> None:
         """Colocated: every trainer rank packs each bucket on its GPU (the full tensors: vLLM shards them itself);
         every engine worker opens the handle of its own device, found by UUID."""
-        import ray
-
-        self.trainer.call_all("begin_weight_export", self.bucket_bytes)
+        self._trainers("begin_weight_export", self.bucket_bytes)
         try:
             while True:
-                parts = self.trainer.call_all("next_ipc_bucket")
+                parts = self._trainers("next_ipc_bucket")
                 if parts[0] is None:
                     break
                 handles = {uuid: handle for uuid, handle, _ in parts}
-                ray.get([e.load_weights_ipc.remote(handles, parts[0][2]) for e in self.router.engines])
+                engines = self.router.engines
+                self._get([e.load_weights_ipc.remote(handles, parts[0][2]) for e in engines],
+                          [f"vLLM engine {i}" for i in range(len(engines))], "load_weights_ipc (weight sync)")
         finally:
-            self.trainer.call_all("end_weight_export")
+            self._trainers("end_weight_export")
 
     def _push_nccl(self) -> None:
         """Disaggregated: trainer rank 0 broadcasts each bucket to every engine worker over one NCCL group (made
         on the first push: rank 0 is the trainer, then each engine's workers)."""
-        import ray
-
         rank0, engines = self.trainer.actors[0], self.router.engines
         if not self._nccl_ready:
-            address, port = ray.get(rank0.free_address.remote())
+            address, port = self._get([rank0.free_address.remote()], ["trainer rank 0"], "free_address")[0]
             tp = self.trainer.cfg.rollout.engine_tensor_parallel_size
             world = 1 + tp * len(engines)
-            ray.get([rank0.init_weight_group.remote(address, port, world)]
-                    + [e.init_weight_group.remote(address, port, 1 + i * tp, world) for i, e in enumerate(engines)])
+            self._get([rank0.init_weight_group.remote(address, port, world)]
+                      + [e.init_weight_group.remote(address, port, 1 + i * tp, world) for i, e in enumerate(engines)],
+                      ["trainer rank 0"] + [f"vLLM engine {i}" for i in range(len(engines))], "init_weight_group (NCCL rendezvous)")
             self._nccl_ready = True
-        self.trainer.call_all("begin_weight_export", self.bucket_bytes)
+        self._trainers("begin_weight_export", self.bucket_bytes)
         try:
             while True:
-                parts = self.trainer.call_all("next_nccl_bucket")
+                parts = self._trainers("next_nccl_bucket")
                 if parts[0] is None:
                     break
                 layout, nbytes = parts[0]
-                ray.get([rank0.broadcast_bucket.remote()] + [e.load_weights_nccl.remote(layout, nbytes) for e in engines])
+                self._get([rank0.broadcast_bucket.remote()] + [e.load_weights_nccl.remote(layout, nbytes) for e in engines],
+                          ["trainer rank 0"] + [f"vLLM engine {i}" for i in range(len(engines))], "the NCCL weight broadcast")
         finally:
-            self.trainer.call_all("end_weight_export")
+            self._trainers("end_weight_export")
 
     def _push_cpu(self) -> None:
         import ray
 
         weights = self.trainer.export_hf_weights()  # rank 0's full tensors
         ref = ray.put(weights)  # one copy in the object store, shared by every engine
-        self.router.call_all("load_weights", ref)
+        self._engines("load_weights", ref)
 
 
 def resolve_strategy(requested: str, platform: str, colocate: bool) -> str:

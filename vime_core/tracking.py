@@ -12,6 +12,8 @@ import math
 from pathlib import Path
 from typing import Any, Protocol
 
+from vime_core.errors import VimeError
+
 log = logging.getLogger(__name__)
 
 # the names the loop logs every step (see loop.py); tests and the notebook rely on them
@@ -83,9 +85,13 @@ def _finite(v: Any) -> Any:
 # ====================================================================================================================
 SECRET_WORDS = ("token", "secret", "password", "api_key", "apikey", "credential")
 ARTIFACT_INLINE_LIMIT = 256 * 2**20  # larger exports are logged as a reference file, not copied into the store
+# MLflow 3's UI opens an experiment without this tag in its GenAI (traces) view; this value selects the model
+# training view (the UI's ExperimentKind enum: genai_development | custom_model_development | ...)
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+WEIGHTS_TAG = "vime.weights_sha256"  # on eval runs and model versions: the files that were scored / registered
 
 
-class TrackingError(RuntimeError):
+class TrackingError(VimeError, RuntimeError):
     """MLflow cannot be used as configured; the message says what to fix."""
 
 
@@ -182,9 +188,12 @@ class MlflowRun:
             exp = self.client.get_experiment_by_name(experiment)
             if exp is None:
                 location = artifact_root.resolve().as_uri() + f"/{experiment}" if artifact_root else None
-                exp_id = self.client.create_experiment(experiment, artifact_location=location)
+                exp_id = self.client.create_experiment(experiment, artifact_location=location, tags=EXPERIMENT_KIND)
             else:
                 exp_id = exp.experiment_id
+                for k, v in EXPERIMENT_KIND.items():
+                    if exp.tags.get(k) != v:
+                        self.client.set_experiment_tag(exp_id, k, v)
             all_tags = dict(tags or {})
             if parent_run_id:
                 all_tags["mlflow.parentRunId"] = parent_run_id
@@ -205,13 +214,28 @@ class MlflowRun:
     def close(self) -> None:
         pass
 
-    def log_params(self, params: dict[str, str]) -> None:
+    def log_params(self, params: dict[str, str]) -> list[str]:
+        """Log new params. MLflow params are immutable, so a continued run whose config changed (a raised
+        num_rollout) keeps the first values and gets the tag `vime.params_changed` listing `key: old -> new`.
+        Returns those changes."""
         from mlflow.entities import Param
 
         existing = self.client.get_run(self.run_id).data.params
-        new = [Param(k, v) for k, v in params.items() if k not in existing]  # params are immutable: a resume skips them
+        new = [Param(k, v) for k, v in params.items() if k not in existing]
         for i in range(0, len(new), 90):
             self.client.log_batch(self.run_id, params=new[i : i + 90])
+        changed = [f"{k}: {existing[k]} -> {v}" for k, v in sorted(params.items()) if k in existing and existing[k] != v]
+        if changed:
+            self.client.set_tag(self.run_id, "vime.params_changed", "; ".join(changed)[:5000])
+        return changed
+
+    def log_datasets(self, datasets: list[dict[str, str]]) -> None:
+        """[{name, source, digest, context}] as MLflow dataset inputs (the run page's Datasets section)."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        inputs = [DatasetInput(Dataset(d["name"], d["digest"], d["source"].split("://", 1)[0] if "://" in d["source"] else "local",
+                                       d["source"]), tags=[InputTag("mlflow.data.context", d["context"])]) for d in datasets]
+        self.client.log_inputs(self.run_id, datasets=inputs)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         for k, v in tags.items():
@@ -237,10 +261,64 @@ class MlflowRun:
         self.client.set_terminated(self.run_id, status=status)
 
 
+class EvalChildRuns:
+    """A sink beside the pipeline's run: every evaluation row the loop logs (baseline, every `eval.interval`, after
+    the last step: rows of `eval/...` and `perf/eval_time/...` keys only) also becomes a child run of its own, `eval-step-<N>`, with
+    its metrics at step N, so that the MLflow UI lists one run per evaluation."""
+
+    def __init__(self, parent: MlflowRun, experiment: str, uri: str):
+        self.parent, self.experiment, self.uri = parent, experiment, uri
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if metrics and all(k.startswith(("eval/", "perf/eval_time/")) for k in metrics):
+            child = MlflowRun(self.uri, self.experiment, run_name=f"eval-step-{step}", parent_run_id=self.parent.run_id,
+                              tags={"vime.stage": "evaluate", "vime.eval.step": str(step), "vime.eval.weights": "trainer (synced to vLLM)"})
+            child.log_metrics(step, metrics)
+            child.end()
+
+    def close(self) -> None:
+        pass
+
+
+def find_run_by_tag(uri: str, experiment: str, key: str, value: str) -> str | None:
+    """The newest active run of `experiment` whose tag `key` equals `value` (a retried flow run finds its run)."""
+    client = _client(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{key}` = '{value}'", order_by=["start_time DESC"],
+                              max_results=1)
+    return runs[0].info.run_id if runs else None
+
+
+def alias_version(uri: str, name: str, alias: str = "champion") -> str | None:
+    """The version number `alias` points to, or None (no such model or alias yet)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(_client(uri).get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None
+
+
+def promotion(metric: str, value: float, alias: str, new_version: str, previous: dict | None) -> tuple[bool, str]:
+    """Whether `value` takes `alias` from `previous` ({version, value}), and why. Full precision; a tie keeps the
+    holder (a retrained copy of equal quality is no reason to move production); a holder without a recorded score
+    (nan) loses."""
+    if previous is None:
+        return True, f"no {alias} yet: version {new_version} becomes {alias} with {metric} = {value!r}"
+    old = previous["value"]
+    if old != old or value > old:
+        return True, f"{metric} {value!r} beats {alias} version {previous['version']} ({old!r})"
+    verdict = "ties" if value == old else "does not beat"
+    return False, f"{metric} {value!r} {verdict} {alias} version {previous['version']} ({old!r}); alias unchanged"
+
+
 def register_model(uri: str, name: str, run_id: str, artifact_path: str, metric: str, value: float,
-                   alias: str = "champion") -> dict[str, Any]:
+                   alias: str = "champion", tags: dict[str, str] | None = None) -> dict[str, Any]:
     """Register a model version; move `alias` to it only when `value` beats the current holder's (recorded in the
-    version's tags and description either way). Returns {version, promoted, reason, previous}."""
+    version's tags and description either way). The score is stored at full precision (repr) so that the next
+    comparison is exact. Returns {version, promoted, reason, previous}."""
     client = _client(uri)
     from mlflow.exceptions import MlflowException
 
@@ -249,22 +327,15 @@ def register_model(uri: str, name: str, run_id: str, artifact_path: str, metric:
     except MlflowException:
         client.create_registered_model(name, description="GRPO policies trained by vime-flow")
     tag_key = mlflow_key(metric)
-    mv = client.create_model_version(name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id,
-                                     tags={tag_key: f"{value:.6f}"})
     previous = None
     try:
         current = client.get_model_version_by_alias(name, alias)
         previous = {"version": current.version, "value": float(current.tags.get(tag_key, "nan"))}
     except MlflowException:
-        current = None
-    if current is None:
-        promoted, reason = True, f"no {alias} yet: version {mv.version} becomes {alias} with {metric} = {value:.4f}"
-    elif not previous["value"] == previous["value"] or value > previous["value"]:  # nan-safe
-        promoted = True
-        reason = f"{metric} {value:.4f} beats {alias} version {previous['version']} ({previous['value']:.4f})"
-    else:
-        promoted = False
-        reason = f"{metric} {value:.4f} does not beat {alias} version {previous['version']} ({previous['value']:.4f}); alias unchanged"
+        pass
+    mv = client.create_model_version(name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id,
+                                     tags={tag_key: repr(float(value)), **(tags or {})})
+    promoted, reason = promotion(metric, float(value), alias, mv.version, previous)
     if promoted:
         client.set_registered_model_alias(name, alias, mv.version)
     client.set_model_version_tag(name, mv.version, "vime.promotion", reason)
@@ -296,9 +367,13 @@ def download_registered_model(uri_or_spec: str, tracking_uri: str | None = None)
             mv = client.get_model_version(name, version)
     except MlflowException as e:
         raise SourceError(f"registry {tracking_uri} has no model {uri_or_spec}: {e.message.splitlines()[0]}") from None
+    import hashlib
+
     from vime_core.builtin import cache_dir
 
-    target = cache_dir() / "mlflow-models" / f"{name}-v{mv.version}"
+    # keyed by store + version source too: two registries (or a re-created one) both have a "name v1"
+    key = hashlib.sha256(f"{tracking_uri}|{mv.source}|{mv.run_id}".encode()).hexdigest()[:12]
+    target = cache_dir() / "mlflow-models" / f"{name}-v{mv.version}-{key}"
     if (target / "config.json").is_file():
         return target
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(target.parent / (target.name + ".dl")),

@@ -25,6 +25,12 @@ import torch.distributed as dist
 
 from vime_core import algo
 from vime_core.config import RunConfig
+from vime_core.grads import megatron_grads_finite, sync_and_clip_grads
+from vime_core.memory import train_step_memory
+from vime_core.loss import (
+    METRIC_KEYS, MicroBatch, NonFiniteStepError, check_finite_step, loss_scale, lr_at, micro_batch_loss, step_denominator,
+    step_train_metrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,34 +74,22 @@ def split_steps_and_ranks(samples: list[TrainSample], num_steps: int, dp: int) -
 
 
 def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Greedy packing by padded cost (rows x longest row) <= max_tokens; a row longer than the budget gets its own
-    micro-batch. Longest first, so rows of similar length share a batch and padding stays small."""
+    """Token-budget packing: each micro-batch's summed length <= max_tokens (samples are packed into one row, no
+    padding); a sample longer than the budget gets its own micro-batch. First fit over samples sorted longest first,
+    so few micro-batches and each sample's place depends only on the lengths (deterministic)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
-    cur: list[int] = []
-    longest = 0
+    loads: list[int] = []
     for i in order:
-        if cur and (len(cur) + 1) * max(longest, lengths[i]) > max_tokens:
-            batches.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, lengths[i])
-    if cur:
-        batches.append(cur)
+        n = lengths[i]
+        k = next((j for j, used in enumerate(loads) if used + n <= max_tokens), None)
+        if k is None:
+            batches.append([i])
+            loads.append(n)
+        else:
+            batches[k].append(i)
+            loads[k] += n
     return batches
-
-
-def lr_at(step: int, cfg: RunConfig) -> float:
-    """LR for optimizer step `step` (0-based), by absolute step: extending a run continues the same curve."""
-    t = cfg.train
-    if t.lr_warmup_steps and step < t.lr_warmup_steps:
-        return t.lr * (step + 1) / t.lr_warmup_steps
-    if t.lr_schedule == "constant":
-        return t.lr
-    progress = min(1.0, (step - t.lr_warmup_steps) / max(1, t.lr_decay_steps or 1))
-    if t.lr_schedule == "linear":
-        return t.lr + (t.min_lr - t.lr) * progress
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -130,12 +124,17 @@ class Trainer:
 
         t = self.cfg.train
         if not dist.is_initialized():
+            from datetime import timedelta
+
+            from vime_core.cluster import tcp_store
+
+            timeout = timedelta(minutes=30)
             dist.init_process_group(
                 dist_backend(self.platform),
-                init_method=f"tcp://{master_addr}:{master_port}",
+                store=tcp_store(master_addr, master_port, self.rank, self.world_size, timeout),  # master_addr only
                 rank=self.rank,
                 world_size=self.world_size,
-                timeout=__import__("datetime").timedelta(minutes=30),
+                timeout=timeout,
             )
         ps.initialize_model_parallel(
             tensor_model_parallel_size=t.tensor_parallel_size,
@@ -160,7 +159,7 @@ class Trainer:
         self.arch = arch_from_hf_config(read_hf_config(model_dir))
         self.tf_config = mm.transformer_config(
             self.arch, self.cfg.model.dtype, t.tensor_parallel_size, t.expert_parallel_size, t.sequence_parallel,
-            on_cpu=self.platform == "cpu",
+            on_cpu=self.platform == "cpu", recompute=mm.resolve_recompute(t.recompute, self.platform),
         )
         need_ref = self.cfg.grpo.kl_loss_coef > 0
         # a converted checkpoint replaces every policy weight: read the HF files only when something uses them
@@ -178,6 +177,7 @@ class Trainer:
         del full
         self.optimizer = self._make_optimizer()
         self.step = 0  # optimizer steps taken; the LR schedule is a function of it
+        self._init_memory()
 
     def _make_optimizer(self):
         """torch AdamW (params in cfg.model.dtype), or megatron-core's optimizer with fp32 main params and its
@@ -224,68 +224,95 @@ class Trainer:
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
-    def _apply_step(self, lr: float) -> float:
-        """Reduce, clip and apply the accumulated gradients at learning rate `lr`; returns the global grad norm."""
+    def _apply_step(self, lr: float, loss: float) -> float:
+        """Reduce, clip and apply the accumulated gradients at learning rate `lr`; returns the global grad norm.
+        A non-finite `loss` (the step's, equal on every rank) or gradient raises NonFiniteStepError on every rank
+        before the optimizer touches the weights or its moments."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        where = f"optimizer step {self.step}"
         if self.optimizer_kind == "megatron":
             from megatron.core.distributed import finalize_model_grads
 
             # DP all-reduce (or reduce-scatter), plus the TP sum of the q/k layer-norm gradients (see _sync_and_clip_grads)
             finalize_model_grads([self.model])
+            # megatron's bf16/fp32 optimizer checks nothing (only fp16's loss scaler looks for inf): check the buffers
+            check_finite_step(loss, None if self._all_ranks_ok(megatron_grads_finite(self.model)) else math.nan, where)
             ok, grad_norm, _ = self.optimizer.step()  # clips by the global norm itself
             if not ok:
-                raise RuntimeError("megatron optimizer step failed (non-finite gradients)")
+                raise NonFiniteStepError(f"{where}: megatron's optimizer found non-finite gradients; the step was not applied")
             return float(grad_norm)
-        grad_norm = self._sync_and_clip_grads()
+        grad_norm = self._sync_and_clip_grads()  # global over DP/TP/EP: the same value on every rank
+        check_finite_step(loss, grad_norm, where)
         self.optimizer.step()
         return grad_norm
 
+    def _all_ranks_ok(self, flag: bool) -> bool:
+        """`flag` ANDed over every trainer rank (one tiny all-reduce), so that all ranks stop together."""
+        t = torch.tensor([0.0 if flag else 1.0], device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t) == 0.0
+
     # -- forward ------------------------------------------------------------------------------------------------------
     def _forward(self, model, batch: list[TrainSample], with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Log-probs (and entropy) of every response token of `batch`, concatenated; and each token's sample index."""
-        from vime_core import megatron_model as mm
+        """Log-probs (and entropy) of every response token of `batch`, concatenated; and each token's sample index.
 
-        width = max(len(s.tokens) for s in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, s in enumerate(batch):
-            ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
-        ids = ids.to(self.device)
-        pos = torch.arange(width, device=self.device).unsqueeze(0).expand(len(batch), width)
-        mask = torch.triu(torch.ones(width, width, dtype=torch.bool, device=self.device), diagonal=1)[None, None]
-        logits = model(input_ids=ids, position_ids=pos, attention_mask=mask)  # [b, s, V/tp]
+        The samples are packed into one row (megatron's thd format: positions and attention restart per sample, see
+        vime_core.attention); the log-probs come from the final hidden states chunk by chunk (vime_core.logprobs)."""
+        from vime_core import megatron_model as mm
+        from vime_core.attention import packed_seq_params
+        from vime_core.logprobs import chunked_logprobs
+
+        lens = [len(s.tokens) for s in batch]
+        ids = torch.tensor([t for s in batch for t in s.tokens], dtype=torch.long).to(self.device)
+        pos = torch.tensor([i for n in lens for i in range(n)], dtype=torch.long).to(self.device)
+        gpt = mm.unwrap(model)
+        with mm.hidden_states_only(gpt):
+            hidden = model(input_ids=ids.unsqueeze(0), position_ids=pos.unsqueeze(0), attention_mask=None,
+                           packed_seq_params=packed_seq_params(lens, self.device))  # [tokens, 1, h]
         # position t predicts token t+1: gather the positions that predict response tokens
-        rows, cols, sample_ids = [], [], []
+        cols, sample_ids, start = [], [], 0
         for i, s in enumerate(batch):
             r = s.response_len
-            rows += [i] * r
-            cols += range(s.prompt_len - 1, s.prompt_len - 1 + r)
+            cols += range(start + s.prompt_len - 1, start + s.prompt_len - 1 + r)
             sample_ids += [i] * r
-        rows_t = torch.tensor(rows, device=self.device)
-        cols_t = torch.tensor(cols, device=self.device)
-        picked = logits[rows_t, cols_t].float() / self.cfg.rollout.temperature  # vLLM's processed log-probs
-        targets = ids[rows_t, cols_t + 1]
-        logp = mm.token_logprobs(picked, targets)
-        ent = mm.entropy(picked) if with_entropy else None
+            start += len(s.tokens)
+        cols_t = torch.tensor(cols, dtype=torch.long).to(self.device)
+        picked = hidden.squeeze(1).index_select(0, cols_t)
+        # logits / temperature: vLLM's processed log-probs
+        logp, ent = chunked_logprobs(picked, mm.output_weight(gpt), ids.index_select(0, cols_t + 1),
+                                     self.cfg.rollout.temperature, with_entropy, self.cfg.train.logprob_chunk_tokens)
         return logp, ent, torch.tensor(sample_ids, device=self.device)
 
     @torch.no_grad()
     def _logprobs(self, model, samples: list[TrainSample]) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(samples)
-        for mb in pack_micro_batches([len(s.tokens) for s in samples], self.cfg.train.max_tokens_per_device):
-            logp, _, sid = self._forward(model, [samples[i] for i in mb], with_entropy=False)
-            for j, i in enumerate(mb):
-                out[i] = logp[sid == j].cpu()
+        with self.peaks.phase("logprobs"):
+            for mb in pack_micro_batches([len(s.tokens) for s in samples], self.cfg.train.max_tokens_per_device):
+                logp, _, sid = self._forward(model, [samples[i] for i in mb], with_entropy=False)
+                for j, i in enumerate(mb):
+                    out[i] = logp[sid == j].cpu()
         return out  # type: ignore[return-value]
 
+    def _logprobs_of_live(self, model, samples: list[TrainSample]) -> list[torch.Tensor]:
+        """`_logprobs` of the samples with response tokens; an empty tensor for the others (a micro-batch of empty
+        responses alone has nothing to gather)."""
+        live = [i for i, s in enumerate(samples) if s.response_len > 0]
+        out = [torch.zeros(0) for _ in samples]
+        for i, lp in zip(live, self._logprobs(model, [samples[i] for i in live]) if live else []):
+            out[i] = lp
+        return out
+
     # -- one rollout step ---------------------------------------------------------------------------------------------
+    @train_step_memory
     def train(self, rollout_id: int, steps: list[list[TrainSample]]) -> dict[str, float]:
         """`steps[k]` are this rank's samples of optimizer step k. Returns metrics reduced over data-parallel ranks."""
         t0 = time.perf_counter()
         self.model.eval()
         flat = [s for step in steps for s in step]
-        old = self._logprobs(self.model, flat)
-        ref = self._logprobs(self.ref_model, flat) if self.ref_model is not None else None
+        old = self._logprobs_of_live(self.model, flat)
+        ref = self._logprobs_of_live(self.ref_model, flat) if self.ref_model is not None else None
         # |trainer - rollout| over the tokens the policy sampled (a custom generate masks out e.g. tool output)
         diffs = [
             (o - torch.tensor(s.rollout_logprobs)).abs()[torch.tensor(s.loss_mask, dtype=torch.bool)].mean().item()
@@ -308,113 +335,66 @@ class Trainer:
         return metrics
 
     def _optimizer_step(self, samples: list[TrainSample], old: list[torch.Tensor], ref: list[torch.Tensor] | None) -> dict[str, float]:
-        g = self.cfg.grpo
-        # the denominator of the loss is global over data-parallel ranks: samples, or unmasked tokens
-        if g.loss_aggregation == "sample_mean":
-            denom = float(len(samples) * self.cfg.train.data_parallel_size)
-        else:
-            denom = float(self._sum_over_dp(sum(sum(s.loss_mask) for s in samples)))
-        sums = {k: 0.0 for k in ("loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss", "kl_loss", "tis", "tis_clipfrac")}
-        token_count = 0
+        g, dp = self.cfg.grpo, self.cfg.train.data_parallel_size
+        trained = sum(sum(s.loss_mask) for s in samples)
+        # the denominator of the loss is global over data-parallel ranks: samples, or trained (mask = 1) tokens
+        step_tokens = int(self._sum_over_dp(trained)) if g.loss_aggregation == "token_mean" else 0
+        denom = step_denominator(g.loss_aggregation, len(samples), step_tokens, dp)
+        scale = loss_scale(self.optimizer_kind, dp)  # megatron's DDP averages over DP; the logged loss stays unscaled
+        sums, loss_share = dict.fromkeys(METRIC_KEYS, 0.0), 0.0
         self._zero_grad()
-        for mb in pack_micro_batches([len(s.tokens) for s in samples], self.cfg.train.max_tokens_per_device):
-            batch = [samples[i] for i in mb]
+
+        def flat(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=self.device)
+
+        # a sample without response tokens adds nothing to the loss (it still counts in sample_mean's denominator)
+        live = [i for i, s in enumerate(samples) if s.response_len > 0]
+        for mb in pack_micro_batches([len(samples[i].tokens) for i in live], self.cfg.train.max_tokens_per_device):
+            idx = [live[j] for j in mb]
+            batch = [samples[i] for i in idx]
             logp, ent, sid = self._forward(self.model, batch, with_entropy=True)
-            old_lp = torch.cat([old[i] for i in mb]).to(self.device)
-            mask = torch.tensor([m for s in batch for m in s.loss_mask], dtype=torch.float32, device=self.device)
-            adv = torch.tensor([s.advantage for s in batch for _ in range(s.response_len)], dtype=torch.float32, device=self.device)
-            if g.policy_loss == "gspo":
-                pg, clipped, ratio = algo.gspo_policy_loss(logp, old_lp, adv, sid, len(batch), g.eps_clip, g.eps_clip_high)
-            else:
-                pg, clipped, ratio = algo.ppo_policy_loss(logp, old_lp, adv, g.eps_clip, g.eps_clip_high, g.dual_clip_c)
-            if g.use_tis:
-                roll = torch.tensor([x for s in batch for x in s.rollout_logprobs], dtype=torch.float32, device=self.device)
-                w, tis_clip = algo.tis_weights(old_lp, roll, g.tis_cap)
-                pg = pg * w
-                sums["tis"] += float((w * mask).sum())
-                sums["tis_clipfrac"] += float((tis_clip * mask).sum())
-            total = pg - g.entropy_coef * ent
-            kl = None
-            if ref is not None:
-                kl = algo.kl_penalty(logp, torch.cat([ref[i] for i in mb]).to(self.device), g.kl_loss_type)
-                total = total + g.kl_loss_coef * kl
-            loss = algo.aggregate(total * mask, sid, len(batch), g.loss_aggregation, denom)
-            loss.backward()
-            # metrics: token means over unmasked tokens of the step
-            with torch.no_grad():
-                token_count += int(mask.sum())
-                sums["pg_loss"] += float((pg * mask).sum())
-                sums["pg_clipfrac"] += float((clipped * mask).sum())
-                sums["ppo_kl"] += float(((old_lp - logp) * mask).sum())
-                sums["entropy_loss"] += float((ent * mask).sum())
-                if kl is not None:
-                    sums["kl_loss"] += float((kl * mask).sum())
-                sums["loss"] += float(loss) * denom
+            loss, part = micro_batch_loss(MicroBatch(
+                logp=logp, old_logp=torch.cat([old[i] for i in idx]).to(self.device),
+                advantages=flat([s.advantage for s in batch for _ in range(s.response_len)]),
+                mask=flat([m for s in batch for m in s.loss_mask]), sample_ids=sid, num_samples=len(batch), entropy=ent,
+                ref_logp=torch.cat([ref[i] for i in idx]).to(self.device) if ref is not None else None,
+                rollout_logp=flat([x for s in batch for x in s.rollout_logprobs]) if g.use_tis else None,
+            ), g, denom)
+            (loss * scale).backward()
+            loss_share += float(loss.detach())
+            for k in METRIC_KEYS:
+                sums[k] += part[k]
+        # step totals over DP ranks: exact token means, and the loss as the sum of the ranks' shares (a NaN on any
+        # rank makes it NaN on all, so every rank stops together)
+        *totals, all_trained, loss = self._sum_over_dp_many([*(sums[k] for k in METRIC_KEYS), trained, loss_share])
         lr = lr_at(self.step, self.cfg)
-        grad_norm = self._apply_step(lr)
+        grad_norm = self._apply_step(lr, loss)
         self.step += 1
-        out = {f"train/{k}": v / max(1, token_count) for k, v in sums.items() if k != "loss"}
-        out["train/loss"] = sums["loss"] / denom
-        if not g.use_tis:
-            out.pop("train/tis"), out.pop("train/tis_clipfrac")
-        if ref is None:
-            out.pop("train/kl_loss")
+        out = step_train_metrics(dict(zip(METRIC_KEYS, totals)), int(all_trained), loss, g)
         out["train/grad_norm"] = grad_norm
         out["train/lr"] = lr
         return out
 
     def _sync_and_clip_grads(self) -> float:
         """Sum gradients over data-parallel ranks, compute the global norm (TP/EP-aware), clip. Returns the norm."""
-        ps = self.ps
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        dense = [p for p in params if getattr(p, "allreduce", True)]
-        expert = [p for p in params if not getattr(p, "allreduce", True)]
-        if ps.get_data_parallel_world_size() > 1:
-            for p in dense:
-                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
-        if expert and ps.get_expert_data_parallel_world_size() > 1:
-            for p in expert:
-                dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group())
-        if ps.get_tensor_model_parallel_world_size() > 1:
-            # Qwen3's q/k layer norms are replicated over TP ranks but normalise per head, after the column-parallel
-            # QKV projection: each rank sees only its own heads, so its gradient is a partial sum (megatron's
-            # finalize_model_grads does the same for its optimizer).
-            for name, p in self.module.named_parameters():
-                if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
-                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-        tp_rank = ps.get_tensor_model_parallel_rank()
-
-        def sq(ps_: list[torch.Tensor]) -> torch.Tensor:
-            # a TP-replicated parameter counts once (on TP rank 0); a split one on every rank
-            vals = [p.grad.float().square().sum() for p in ps_ if getattr(p, "tensor_model_parallel", False) or tp_rank == 0]
-            return torch.stack(vals).sum() if vals else torch.zeros((), device=self.device)
-
-        total = sq(dense) + 0.0
-        if ps.get_tensor_model_parallel_world_size() > 1:
-            dist.all_reduce(total, group=ps.get_tensor_model_parallel_group())
-        if expert:
-            e = sq(expert)
-            if ps.get_tensor_model_parallel_world_size() > 1:
-                dist.all_reduce(e, group=ps.get_tensor_model_parallel_group())
-            if ps.get_expert_model_parallel_world_size() > 1:
-                dist.all_reduce(e, group=ps.get_expert_model_parallel_group())
-            total = total + e
-        norm = float(total.sqrt())
-        clip = self.cfg.train.clip_grad
-        if clip > 0 and norm > clip:
-            coef = clip / (norm + 1e-6)
-            for p in params:
-                p.grad.mul_(coef)
-        return norm
+        return sync_and_clip_grads(self.module, self.ps, self.cfg.train.clip_grad, self.device)
 
     def _reduce_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
-        if self.ps.get_data_parallel_world_size() == 1:
+        """Mean over data-parallel ranks (train/* are step totals already, equal on every rank: see _optimizer_step)."""
+        dp = self.ps.get_data_parallel_world_size()
+        if dp == 1:
             return metrics
         keys = sorted(metrics)
         t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.ps.get_data_parallel_group())
-        t /= self.ps.get_data_parallel_world_size()
-        return dict(zip(keys, t.tolist()))
+        return dict(zip(keys, (t / dp).tolist()))
+
+    def _sum_over_dp_many(self, values: list[float]) -> list[float]:
+        if self.ps.get_data_parallel_world_size() == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+        return t.tolist()
 
     def _sum_over_dp(self, value: float) -> float:
         if self.ps.get_data_parallel_world_size() == 1:
@@ -566,16 +546,43 @@ class Trainer:
         """Sum of |w| over this rank's parameters (tests use it to see that weights changed)."""
         return float(sum(p.detach().float().abs().sum() for p in self.module.parameters()))
 
+    # -- colocated memory (vime_core.memory) -------------------------------------------------------------------------
+    def _init_memory(self) -> None:
+        from vime_core.memory import HostOffload, PhasePeaks, offload_enabled
+
+        self.peaks = PhasePeaks(self.device)
+        self.offloader = HostOffload(self.optimizer, self.model, self.module, self.device)
+        self.offload_enabled = offload_enabled(self.cfg.train.offload_optimizer, self.cfg.cluster.colocate, self.platform)
+        self.offload_times = {"offload": 0.0, "onload": 0.0}
+
+    def offload_optimizer(self) -> bool:
+        """Optimizer state and gradients to pinned host memory (vLLM generates next). False when not enabled."""
+        if not self.offload_enabled:
+            return False
+        self.offload_times["offload"] = self.offloader.offload()
+        self.peaks.record("offloaded", torch.cuda.memory_allocated(self.device) / 2**30)
+        return True
+
+    def onload_optimizer(self) -> bool:
+        """Back on the device before training. False when not enabled."""
+        if not self.offload_enabled:
+            return False
+        self.offload_times["onload"] = self.offloader.onload()
+        return True
+
     def info(self) -> dict[str, Any]:
         from vime_core.platform import max_rss_gib
 
+        cuda = self.device.type == "cuda"
         return {
             "rank": self.rank,
             "params": sum(p.numel() for p in self.module.parameters()),
             "step": self.step,
             "device": str(self.device),
             "max_rss_gib": max_rss_gib(),
-            "max_gpu_mem_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0,
+            "max_gpu_mem_gib": max([torch.cuda.max_memory_allocated(self.device) / 2**30, *self.peaks.max.values()]) if cuda else 0.0,
+            "gpu_peak_gib_by_phase": dict(self.peaks.max),  # logprobs, train (whole step), offloaded (held meanwhile)
+            "host_offload_gib": self.offloader.host_bytes() / 2**30,
         }
 
     def shutdown(self) -> None:
@@ -597,7 +604,10 @@ def make_train_batch(groups: list, cfg: RunConfig) -> tuple[list[TrainSample], d
     samples = [s for g in groups for s in g]
     if any(len(g) != n for g in groups):
         raise ValueError(f"every group must hold rollout.n_samples_per_prompt = {n} samples")
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    if not torch.isfinite(rewards).all():  # RewardModel refuses these already; a NaN here would reach every weight
+        bad = int((~torch.isfinite(rewards)).nonzero()[0])
+        raise ValueError(f"sample {bad % n} of group {bad // n} has a non-finite reward {samples[bad].reward}")
     adv = algo.group_advantages(rewards, n, cfg.grpo.normalize_std)
     batch = [
         TrainSample(
@@ -618,13 +628,17 @@ class TrainerGroup:
     def __init__(self, actors: list, cfg: RunConfig):
         self.actors, self.cfg = actors, cfg
 
-    def call_all(self, method: str, *args) -> list:
-        import ray
+    def call_all(self, method: str, *args, timeout_s: float | None = None, setting: str = "train.timeout_s") -> list:
+        """`method` on every rank; one that does not answer within `timeout_s` (default train.timeout_s) raises
+        naming the rank, the method and the `setting` that bounds it."""
+        from vime_core.cluster import gather
 
-        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        return gather(refs, [f"trainer rank {i}" for i in range(len(refs))], method,
+                      timeout_s or self.cfg.train.timeout_s, setting if timeout_s else "train.timeout_s")
 
     def train(self, rollout_id: int, groups: list) -> dict[str, float]:
-        import ray
+        from vime_core.cluster import gather
 
         t = self.cfg.train
         samples, metrics = make_train_batch(groups, self.cfg)
@@ -632,7 +646,9 @@ class TrainerGroup:
         # megatron's rank order is tp-cp-ep-dp-pp: ranks of one TP group are consecutive
         futures = [a.train.remote(rollout_id, per_dp[rank // t.tensor_parallel_size % t.data_parallel_size])
                    for rank, a in enumerate(self.actors)]
-        return {**metrics, **ray.get(futures)[0]}
+        done = gather(futures, [f"trainer rank {i}" for i in range(len(futures))], f"train (rollout {rollout_id})",
+                      t.timeout_s, "train.timeout_s")
+        return {**metrics, **done[0]}
 
     def export_hf_weights(self) -> list:
         return self.call_all("export_hf_weights")[0]
@@ -648,6 +664,15 @@ class TrainerGroup:
 
     def info(self) -> list[dict]:
         return self.call_all("info")
+
+    def offload_optimizer(self) -> None:
+        """Colocated GPUs (train.offload_optimizer): optimizer state to host memory while vLLM generates."""
+        if getattr(self, "_offload", True):
+            self._offload = all(self.call_all("offload_optimizer"))
+
+    def onload_optimizer(self) -> None:
+        if getattr(self, "_offload", True):
+            self._offload = all(self.call_all("onload_optimizer"))
 
     def shutdown(self) -> None:
         import ray

@@ -1,0 +1,59 @@
+"""Nightly semantics: every scheduled run trains a new candidate from the current champion.
+
+- the model is `mlflow://models:/<registered name>/<version of @champion>` (the base `model.source` of the config
+  while there is no champion yet); the version, not the alias, so that a retry starts from the same weights even
+  if the alias moved meanwhile;
+- the run's own output dir, `<output_dir>/nightly/<scheduled date>-<flow run id[:8]>`: a retry of the same flow run
+  (Prefect `retries`, or a rerun from the UI) finds its checkpoints there and resumes; another night never does;
+- its own MLflow run (named after that dir, tagged `prefect.flow_run_id`); the MLflow store stays the one the base
+  config names (a nested output dir would otherwise move the default sqlite store).
+
+The choice is written to `<run dir>/candidate.json` on the first attempt and read back by every later one.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+
+from vime_core.config import RunConfig, config_from_dict
+from vime_core.tracking import alias_version, resolve_tracking_uri
+
+CANDIDATE_FILE = "candidate.json"
+
+
+def registered_name(cfg: RunConfig) -> str:
+    return cfg.tracking.registered_model or f"vime-{cfg.name}"
+
+
+def run_label(cfg: RunConfig, flow_run_id: str | None, when: datetime | None) -> str:
+    """`<config>-<YYYYmmdd>-<short id>`: the MLflow run name and (without the config) the nightly dir name."""
+    day = (when or datetime.now(timezone.utc)).strftime("%Y%m%d")
+    return f"{cfg.name}-{day}-{(flow_run_id or 'local')[:8]}"
+
+
+def candidate_config(cfg: RunConfig, flow_run_id: str | None, scheduled: datetime | None) -> RunConfig:
+    """The config of tonight's candidate (see the module docstring)."""
+    uri = resolve_tracking_uri(cfg)
+    run_dir = cfg.output_dir / "nightly" / run_label(cfg, flow_run_id, scheduled).removeprefix(f"{cfg.name}-")
+    choice = run_dir / CANDIDATE_FILE
+    if choice.is_file():
+        source = json.loads(choice.read_text())["model_source"]
+    else:
+        source = champion_source(cfg, uri)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        choice.write_text(json.dumps({"model_source": source, "base_model_source": cfg.model.source,
+                                      "flow_run_id": flow_run_id}, indent=2))
+    data = cfg.model_dump(mode="json")
+    data["output_dir"] = str(run_dir)
+    data["model"]["source"] = source
+    data["tracking"]["uri"] = uri
+    data["checkpoint"]["start_fresh"] = False  # a fresh dir; a retry must resume it
+    return config_from_dict(data)
+
+
+def champion_source(cfg: RunConfig, uri: str) -> str:
+    if not cfg.tracking.enabled:
+        return cfg.model.source
+    version = alias_version(uri, registered_name(cfg), "champion")
+    return f"mlflow://models:/{registered_name(cfg)}/{version}" if version else cfg.model.source
