@@ -11,8 +11,8 @@ import torch
 
 from vime_core.config import GRPOConfig, config_from_dict
 from vime_core.loss import (
-    MicroBatch, NonFiniteStepError, check_finite_step, loss_scale, lr_at, micro_batch_loss, step_denominator,
-    step_train_metrics,
+    MicroBatch, NonFiniteStepError, check_finite_step, loss_scale, lr_at, micro_batch_loss, set_step_schedule,
+    step_denominator, step_train_metrics,
 )
 from vime_core.train import TrainSample, pack_micro_batches, split_steps_and_ranks
 
@@ -208,6 +208,31 @@ def test_lr_cosine():
 def test_lr_linear():
     cfg = _cfg(lr_schedule="linear", lr_decay_steps=4)
     assert [lr_at(s, cfg) for s in range(6)] == pytest.approx([1e-3, 7.75e-4, 5.5e-4, 3.25e-4, 1e-4, 1e-4])
+
+
+def test_step_schedule_applies_megatrons_weight_decay_multipliers():
+    # megatron's optimizer groups as get_megatron_optimizer builds them: wd_mult 0 for 1-D params (norms, biases)
+    groups = [{"wd_mult": 1.0, "weight_decay": 0.1, "lr": 0.0}, {"wd_mult": 0.0, "weight_decay": 0.1, "lr": 0.0}]
+    set_step_schedule(groups, 3e-4, 0.1)
+    assert [(g["lr"], g["weight_decay"]) for g in groups] == [(3e-4, 0.1), (3e-4, 0.0)]
+    # torch AdamW's groups carry their own decay (0 for the 1-D group): only the LR changes
+    adamw = [{"weight_decay": 0.1, "lr": 0.0}, {"weight_decay": 0.0, "lr": 0.0}]
+    set_step_schedule(adamw, 1e-3)
+    assert [(g["lr"], g["weight_decay"]) for g in adamw] == [(1e-3, 0.1), (1e-3, 0.0)]
+
+
+@pytest.mark.parametrize("bad, finite", [(None, True), (math.nan, False), (math.inf, False), (-math.inf, False)])
+def test_megatron_grads_finite_by_buffer_sums(bad, finite):
+    from types import SimpleNamespace
+
+    from vime_core.grads import megatron_grads_finite
+
+    dense, expert = torch.randn(1000), torch.randn(10)
+    if bad is not None:
+        expert[3] = bad
+        dense[7] = -math.inf if bad == math.inf else 0.0  # inf + -inf sums to NaN: still non-finite
+    ddp = SimpleNamespace(buffers=[SimpleNamespace(grad_data=dense)], expert_parallel_buffers=[SimpleNamespace(grad_data=expert)])
+    assert megatron_grads_finite(ddp) is finite
 
 
 def test_split_steps_and_ranks_dp2():

@@ -102,7 +102,8 @@ class _ChunkedLogProbs(torch.autograd.Function):
         if g_logp is None and not use_ent:
             return None, None, None, None, None, None, None, None
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight) if need_w else None
+        # the weight gradient sums every chunk's: accumulated in fp32 (V/tp x h: 1.2 GB for Qwen3-1.7B), cast once
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         n = hidden.size(0)
         zeros = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         g_logp = zeros if g_logp is None else g_logp.float()
@@ -119,7 +120,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if need_h:
                 grad_h[a:b] = g @ weight
             if need_w:
-                grad_w.addmm_(g.t(), h)
+                if g.dtype == grad_w.dtype:
+                    grad_w.addmm_(g.t(), h)
+                else:  # the chunk's product in the weight's dtype (a V/tp x h temporary), added in fp32
+                    grad_w.add_(g.t() @ h)
+        if need_w:
+            grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None, None
 
 

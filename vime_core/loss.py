@@ -144,3 +144,14 @@ def lr_at(step: int, cfg: RunConfig) -> float:
     if t.lr_schedule == "linear":
         return t.lr + (t.min_lr - t.lr) * progress
     return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_step_schedule(param_groups: list[dict], lr: float, weight_decay: float | None = None) -> None:
+    """Every group's LR for this step; with `weight_decay` (megatron's optimizer), also each group's decay scaled by
+    its `wd_mult`: megatron tags its groups (wd_mult 0 for 1-D parameters: norms, biases) but only its
+    OptimizerParamScheduler applies the tag, which we do not use: without this the norms were decayed too.
+    torch AdamW's groups carry their decay already (0 for the 1-D group): `weight_decay` None leaves them."""
+    for group in param_groups:
+        group["lr"] = lr
+        if weight_decay is not None:
+            group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)

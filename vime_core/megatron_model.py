@@ -74,6 +74,12 @@ def transformer_config(arch: Qwen3Arch, dtype: str, tp: int = 1, ep: int = 1, se
             moe_router_pre_softmax=not arch.norm_topk_prob,
             moe_router_score_function="softmax",
             moe_grouped_gemm=False,
+            # KNOWN LIMITATION (EP > 1 training, e.g. configs/qwen3-30b-a3b.yaml's EP=8): the allgather dispatcher
+            # all-gathers every layer's tokens over the TP x EP group with equal sizes (no output_split_sizes), so all
+            # EP ranks must run the same number of micro-batches of the same token count, in lockstep. Token-budget
+            # packing (train.pack_micro_batches) gives each DP rank its own counts and sizes: a mismatch fails the
+            # all-gather or hangs it. Needs padding micro-batches to a common count/size across the EP group (or the
+            # alltoall dispatcher with its split sizes); EP = 1 is unaffected.
             moe_token_dispatcher_type="allgather",
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
@@ -185,6 +191,8 @@ def fused(fn):
     def run(*args):
         try:
             return compiled(*args)
+        except torch.OutOfMemoryError:  # the step is too big: eager would need the same memory, and hide the cause
+            raise
         except Exception as e:  # inductor needs a C compiler and Triton: fall back once, for good
             import logging
 
@@ -195,24 +203,36 @@ def fused(fn):
     return run
 
 
+def kernel(fn, x: torch.Tensor):
+    """`fn` as the norms run it on `x`'s device: fused on CUDA, eager elsewhere (tests swap in other compilers)."""
+    return fused(fn) if x.is_cuda else fn
+
+
 class _RMSNormFn(torch.autograd.Function):
     """torch's rms_norm values (x / rms(x) x weight in fp32, cast to the input dtype), saving only the input and the
     fp32 1/rms per row: torch's composite saves two fp32 copies of the input per norm (measured on an H200: 56 of the
-    154 KB of saved activations per token and Qwen3-1.7B layer; 118 KB with this norm)."""
+    154 KB of saved activations per token and Qwen3-1.7B layer; 118 KB with this norm).
+
+    The kernels see 2-D [rows, d] tensors without autograd state: one compiled callable serves the layer norms
+    ([t, 1, h]) and the q/k norms ([t, 1, heads, head_dim], strided views of the QKV output), with and without
+    requires_grad, Parameter or not; given the tensors as they come, dynamo compiled a graph per variant and hit its
+    recompile limit (8) on an H200 run. Reshaped: 2 graphs each way (contiguous rows and strided rows)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
-        fwd = fused(_rms_forward) if x.is_cuda else _rms_forward
-        y, rstd = fwd(x, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        return y
+        shape = x.shape
+        x2 = x.detach().reshape(-1, shape[-1])
+        y, rstd = kernel(_rms_forward, x)(x2, weight.detach(), eps)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.shape = shape
+        return y.view(shape)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, rstd = ctx.saved_tensors
-        bwd = fused(_rms_backward) if x.is_cuda else _rms_backward
-        grad_x, grad_w = bwd(grad.contiguous(), x, weight, rstd)
-        return grad_x, (grad_w if ctx.needs_input_grad[1] else None), None
+        x2, weight, rstd = ctx.saved_tensors
+        shape = ctx.shape
+        grad_x, grad_w = kernel(_rms_backward, x2)(grad.reshape(-1, shape[-1]).contiguous(), x2, weight.detach(), rstd)
+        return grad_x.view(shape), (grad_w if ctx.needs_input_grad[1] else None), None
 
 
 class LeanRMSNorm(torch.nn.Module):

@@ -28,8 +28,8 @@ from vime_core.config import RunConfig
 from vime_core.grads import megatron_grads_finite, sync_and_clip_grads
 from vime_core.memory import train_step_memory
 from vime_core.loss import (
-    METRIC_KEYS, MicroBatch, NonFiniteStepError, check_finite_step, loss_scale, lr_at, micro_batch_loss, step_denominator,
-    step_train_metrics,
+    METRIC_KEYS, MicroBatch, NonFiniteStepError, check_finite_step, loss_scale, lr_at, micro_batch_loss, set_step_schedule,
+    step_denominator, step_train_metrics,
 )
 
 log = logging.getLogger(__name__)
@@ -228,8 +228,8 @@ class Trainer:
         """Reduce, clip and apply the accumulated gradients at learning rate `lr`; returns the global grad norm.
         A non-finite `loss` (the step's, equal on every rank) or gradient raises NonFiniteStepError on every rank
         before the optimizer touches the weights or its moments."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_step_schedule(self.optimizer.param_groups, lr,
+                          self.cfg.train.weight_decay if self.optimizer_kind == "megatron" else None)
         where = f"optimizer step {self.step}"
         if self.optimizer_kind == "megatron":
             from megatron.core.distributed import finalize_model_grads

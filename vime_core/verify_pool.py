@@ -17,6 +17,7 @@ import atexit
 import json
 import logging
 import os
+import queue
 import selectors
 import subprocess
 import sys
@@ -54,7 +55,28 @@ def label_parses(label: str, timeout: int | None) -> bool:
 OPS = {"equal": symbolic_equal, "label": label_parses}
 
 
+PARENT_ENV = "VIME_VERIFY_PARENT"  # the caller's pid: a worker whose caller is gone exits
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel SIGKILLs this worker when its parent goes (PR_SET_PDEATHSIG), even when the worker is stuck
+    in one C-level bignum operation (no Python watchdog thread gets the GIL then). The signal follows the parent
+    *thread* that started the worker: the pool starts workers from one long-lived thread (`_spawn`). Elsewhere: no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.environ.get(PARENT_ENV) not in (None, str(os.getppid())):  # the parent died before the prctl
+        os._exit(1)
+
+
 def _worker_main() -> None:
+    die_with_parent()
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     import math_verify  # noqa: F401  (imported before the first request, so that it does not count against it)
 
@@ -73,12 +95,46 @@ def _worker_main() -> None:
 STARTUP_TIMEOUT_S = 120.0  # a worker imports math-verify and sympy: 0.3-1 s measured, minutes on a swapping host
 
 
+_SPAWNER: tuple[int, "queue.Queue"] | None = None  # (pid, requests) of the thread that starts every worker
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _spawner_loop(requests: "queue.Queue") -> None:
+    while True:
+        args, kwargs, done = requests.get()
+        try:
+            done.set_result(subprocess.Popen(args, **kwargs))
+        except BaseException as e:
+            done.set_exception(e)
+
+
+def _spawn() -> subprocess.Popen:
+    """A worker started from one daemon thread that lives as long as the process (per process: a forked child gets
+    its own), so that the worker's PR_SET_PDEATHSIG fires when the process dies, not when a caller thread ends."""
+    global _SPAWNER
+    from concurrent.futures import Future
+
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None or _SPAWNER[0] != os.getpid():
+            requests: queue.Queue = queue.Queue()
+            threading.Thread(target=_spawner_loop, args=(requests,), name="verify-pool-spawner", daemon=True).start()
+            _SPAWNER = (os.getpid(), requests)
+    done: Future = Future()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
+    _SPAWNER[1].put(([sys.executable, "-m", "vime_core.verify_pool"], dict(
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1, env=env), done))
+    return done.result()
+
+
+def phase_timeout(timeout: float) -> int:
+    """math-verify's own alarm per phase (parse label, parse answer, verify: 3 in a row), so that it fires before the
+    caller's deadline kills the worker (a new one costs ~0.5 s of imports); whole seconds (signal.alarm)."""
+    return max(1, int(timeout) // 3)
+
+
 class _Worker:
     def __init__(self):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vime_core.verify_pool"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, text=True, bufsize=1, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        self.proc = _spawn()
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> bool:
         """The worker's start (imports) does not count against a call's limit: wait for its `ready` line first."""
@@ -90,8 +146,7 @@ class _Worker:
         return False
 
     def send(self, op: str, args: tuple, timeout: float) -> None:
-        inner = max(1, int(timeout))  # math-verify's own alarm; the caller's deadline backs it up
-        self.proc.stdin.write(json.dumps([op, list(args), inner]) + "\n")
+        self.proc.stdin.write(json.dumps([op, list(args), phase_timeout(timeout)]) + "\n")
         self.proc.stdin.flush()
 
     def kill(self) -> None:
