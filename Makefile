@@ -8,6 +8,7 @@ run: install
 	.venv/bin/vime-pipeline --config configs/tiny-cpu.yaml
 
 test: install
+	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -v --durations=25
 
 test-fast: install

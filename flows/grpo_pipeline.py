@@ -40,6 +40,11 @@ NOTHING_TRAINED = "NothingTrained"  # the Prefect state name (type COMPLETED) of
 @flow(name="grpo-pipeline", log_prints=True)
 def grpo_pipeline(config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | None = None, nightly: bool = False):
     """GRPO post-training of a Qwen3 model, from source checkpoint to a registered, evaluated policy."""
+    from vime_core.orphans import start_watchdog
+
+    # here too, not only in main(): a deployment's worker runs this body without main(), and a SIGKILLed flow run
+    # must still take Ray and the actors with it (idempotent: main() may have started it already)
+    start_watchdog()
     logger = get_run_logger()
     cfg = load_config(config_path, overrides or [])  # a bad config fails here, before any work
     flow_run_id = flow_run.get_id()
@@ -71,6 +76,11 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
     run_id = start_tracking(config, model, run_name, flow_run_id, datasets)
     if cfg.checkpoint.start_fresh:
         config = start_fresh(config)
+    elif not cfg.checkpoint.resume:  # refused beside old checkpoints; else a retried train task must resume its own
+        from vime_core.resume import check_resume_setting
+
+        check_resume_setting(cfg)
+        config = {**config, "checkpoint": {**config["checkpoint"], "resume": True}}
     converted = convert_checkpoint(model, str(cfg.output_dir), cfg.model.dtype)
     try:
         train = train_grpo.with_options(timeout_seconds=train_timeout(cfg.rollout.num_rollout))

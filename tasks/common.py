@@ -27,12 +27,13 @@ def train_timeout(num_rollout: int) -> int:
 def is_transient(task, task_run, state) -> bool:
     """Prefect `retry_condition_fn`: retry crashes, lost actors, timeouts and I/O errors; never the errors a user has
     to fix (VimeError: a bad config, dataset, model source or checkpoint, a busy output dir), which fail at once.
-    An actor timeout is a VimeError too, but a retry on a fresh cluster may get past it."""
-    from vime_core.errors import ActorTimeoutError, VimeError
+    An actor timeout is a VimeError too, but a retry on a fresh cluster may get past it; so may a TransientError (a
+    hub or MLflow server that did not answer)."""
+    from vime_core.errors import ActorTimeoutError, TransientError, VimeError
 
     try:
         state.result()
-    except ActorTimeoutError:
+    except (ActorTimeoutError, TransientError):
         return True
     except VimeError:
         return False

@@ -51,7 +51,8 @@ def register_model(config: dict[str, Any], export_dir: str, run_id: str | None, 
     artifact_path = run.log_dir(Path(export_dir), version_artifact_path(Path(export_dir), digest))
     name = registered_name(cfg)
     info = register_version(uri, name, run_id, artifact_path, metric, metrics[metric],
-                            tags={WEIGHTS_TAG: digest, "vime.export_dir": str(export_dir)})
+                            tags={WEIGHTS_TAG: digest, "vime.export_dir": str(export_dir)},
+                            reuse_tag=WEIGHTS_TAG)  # a retry after create_model_version reuses that version
     run.set_tags({"vime.registered_model": name, "vime.registered_version": str(info["version"]), "vime.promotion": info["reason"],
                   "vime.registered_checkpoint": str(checkpoint or export_dir)})
     markdown("Model registry", {"model": name, "version": info["version"], "champion moved": info["promoted"], "why": info["reason"],

@@ -32,7 +32,8 @@ def run_id_to_continue(cfg, flow_run_id: str | None = None) -> str | None:
     not checkpointed yet continues the run it opened (found by its flow run id tag)."""
     if cfg.checkpoint.start_fresh or not cfg.checkpoint.resume:
         return None
-    latest = Checkpointer(cfg.save_dir).latest()
+    # a cheap look (sizes, state.json): the train task's loop verifies every checksum anyway before it resumes
+    latest = Checkpointer(cfg.save_dir).peek_latest()
     if latest is not None:
         run_id = Checkpointer.read_state(latest).get("run_state", {}).get("mlflow_run_id")
         if run_id:

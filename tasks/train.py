@@ -23,7 +23,9 @@ def start_fresh(config: dict[str, Any]) -> dict[str, Any]:
     cfg = cfg_of(config)
     for path in move_outputs_aside(cfg):
         print(f"checkpoint.start_fresh: moved aside to {path}")
-    return {**config, "checkpoint": {**config["checkpoint"], "start_fresh": False}}
+    # resume too: whatever appears in the save dir from now on is this run's own (checkpoint.resume = false would
+    # refuse a retry's resume from its first attempt's checkpoints)
+    return {**config, "checkpoint": {**config["checkpoint"], "start_fresh": False, "resume": True}}
 
 
 def system_metrics(run_id: str | None, uri: str):

@@ -79,8 +79,11 @@ def test_sigkill_anywhere_then_resume(tmp_path, dense_model_dir):
     # attempt 1: killed at a random moment once training is under way
     log1 = tmp_path / "attempt1.log"
     p = start_train(out, log1)
-    wait_for(lambda: len(ledger(out)) >= 1, 600, p, log1)
-    time.sleep(rng.uniform(0.0, 6.0))
+    # at a random step (never the last two, so the kill lands before the run ends: steps take ~0.5 s on 2 cores, a
+    # fixed 0-6 s delay outlived the whole run once) and a random moment inside it, a checkpoint write included
+    kill_step = rng.randrange(1, STEPS - 1)
+    wait_for(lambda: len(ledger(out)) >= kill_step, 600, p, log1)
+    time.sleep(rng.uniform(0.0, 0.4))
     kill_group(p)
     n1 = len(ledger(out))
 

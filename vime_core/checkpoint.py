@@ -163,6 +163,7 @@ def _spawn(fn_name: str, world: int, args: tuple, progress_total: int | None = N
     for p in procs:
         p.start()
     errors: list[str] = []
+    user_error = False  # whether the first failing rank raised a VimeError (a bad checkpoint, a layout that does not fit)
     with Progress(transient=True, disable=progress_total is None) as bar:
         task = bar.add_task(label, total=progress_total or 1)
         finished = 0
@@ -180,14 +181,17 @@ def _spawn(fn_name: str, world: int, args: tuple, progress_total: int | None = N
             elif kind == "done":
                 finished += 1
             elif kind == "error":
-                errors.append(payload)
+                text, user_error = payload
+                errors.append(text)
                 break
     for p in procs:
         p.join(timeout=60 if not errors else 5)
         if p.is_alive():
             p.kill()
     if errors:
-        raise ConversionError(errors[0])
+        # only a user error inside a rank is a ConversionError (exit 2, never retried); a dead rank (OOM kill) or a
+        # bug is a RuntimeError that keeps the rank's traceback text, and a pipeline task retries it
+        raise (ConversionError if user_error else RuntimeError)(errors[0])
 
 
 def _rank_entry(fn_name: str, rank: int, world: int, port: int, queue, args: tuple) -> None:
@@ -203,7 +207,8 @@ def _rank_entry(fn_name: str, rank: int, world: int, port: int, queue, args: tup
         globals()[fn_name](rank, world, port, queue, *args)
         queue.put(("done", rank))
     except Exception as e:  # reported to the parent with the rank and the reason
-        queue.put(("error", f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"))
+        text = f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+        queue.put(("error", (text, isinstance(e, VimeError))))
 
 
 def _init_rank(rank: int, world: int, port: int, tp: int, pp: int, ep: int) -> None:

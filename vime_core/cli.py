@@ -105,15 +105,24 @@ def train(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show engine logs."),
 ) -> None:
     """Run the GRPO loop (rollout -> train -> sync) directly, without Prefect."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from vime_core.loop import run
     from vime_core.orphans import start_watchdog
-    from vime_core.tracking import MemorySink, MultiSink
+    from vime_core.runlock import output_dir_lock
 
     _setup_logging(verbose)
     cfg = _load(config, overrides)
     start_watchdog()  # a SIGKILLed `vime train` takes Ray's processes and the actors' helpers with it
+    # the lock before the sinks: a second `vime train` on a busy output_dir must fail before it opens an MLflow run
+    # or moves the running one's --metrics-out file aside (the loop takes the lock again: it is re-entrant)
+    with output_dir_lock(cfg.output_dir):
+        _train_locked(cfg, metrics_out)
+
+
+def _train_locked(cfg, metrics_out: Optional[Path]) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from vime_core.loop import run
+    from vime_core.tracking import MemorySink, MultiSink
+
     mlflow_run, run_state = tracking_sink(cfg)
     sink = MultiSink(MemorySink(), metrics_file_sink(cfg, metrics_out) if metrics_out else None, mlflow_run)
     total = cfg.rollout.num_rollout
@@ -150,7 +159,9 @@ def resume_state(cfg) -> dict | None:
     """The state of the checkpoint this run will resume from (None for a fresh start). Reads only (a damaged
     checkpoint is set aside by `latest`, as the loop would)."""
     from vime_core.checkpoint import Checkpointer
+    from vime_core.resume import check_resume_setting
 
+    check_resume_setting(cfg)  # fail before the sinks move --metrics-out aside or open an MLflow run
     if cfg.checkpoint.start_fresh or not cfg.checkpoint.resume:
         return None
     ckpt = Checkpointer(cfg.save_dir)

@@ -378,7 +378,11 @@ def wait_ready(trainers: list[Any], engines: list[Any], timeout_s: float | None 
         try:
             ray.get(ref)
         except Exception as e:
-            raise ClusterError(f"{who} failed to start: {e}") from e
+            # a user error inside the actor (a bad model file, a config the engine refuses) stays one (exit 2, not
+            # retried); anything else (an OOM-killed actor, a crash) is not the user's to fix: a retry may pass it
+            if isinstance(getattr(e, "cause", None), VimeError) or isinstance(e, VimeError):
+                raise ClusterError(f"{who} failed to start: {e}") from e
+            raise RuntimeError(f"{who} failed to start: {e}") from e
 
 
 def gather(refs: list, who: list[str], doing: str, timeout_s: float | None, setting: str) -> list:

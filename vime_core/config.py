@@ -271,6 +271,11 @@ class EvalConfig(_Section):
     temperature: Annotated[float, Field(gt=0.0, le=10.0, description="Sampling temperature of eval generations.")] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0, description="Nucleus sampling threshold of eval generations.")] = 1.0
     max_response_len: Annotated[int | None, Field(ge=1, description="None: rollout.max_response_len.")] = None
+    timeout_s: Annotated[
+        int,
+        Field(ge=10, description="Timeout of one eval generate call (a whole eval set: often far more prompts and "
+                                 "samples than a rollout batch, so it has its own bound, not rollout.timeout_s)."),
+    ] = 7200
 
 
 class CheckpointConfig(_Section):

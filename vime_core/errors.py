@@ -22,6 +22,12 @@ class DiskSpaceError(VimeError, OSError):
     """Not enough free space for a save; the message says how much is needed and where."""
 
 
+class TransientError(VimeError):
+    """A service that should be there could not be reached (the hub answered 5xx/429 or not at all, the MLflow
+    server is down). Printed as one line like any VimeError, but a Prefect task retries it (tasks.common.is_transient):
+    the same call a minute later usually succeeds, while a bad config never does."""
+
+
 def one_line(e: BaseException) -> str:
     """An error as one line, prefixed by its class name (what the CLIs print): a message of several lines (a config
     with several problems) is joined with "; ", a traceback appended to it (a failed rank's) is dropped."""

@@ -28,7 +28,7 @@ def evaluate(router: RolloutRouter, eval_sets: dict[str, PromptSet], cfg, reward
         t0 = time.perf_counter()
         requests = [GroupRequest(p.template(group_id=i), request_seed(cfg.seed, "eval", name, p.index))
                     for i, p in enumerate(prompts.prompts)]
-        groups = router.generate(requests, spec)
+        groups = router.generate(requests, spec, cfg.eval.timeout_s, "eval.timeout_s")  # a whole eval set per call
         reward_model.score(groups)
         correct = [sum(1 for s in g if s.reward and s.reward > 0.5) for g in groups]
         samples = [s for g in groups for s in g]

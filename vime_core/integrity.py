@@ -82,7 +82,7 @@ def manifest_problems(root: Path, full: bool = True) -> list[str]:
         files = manifest["files"]
     except FileNotFoundError:
         return [f"{MANIFEST} is missing"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:  # another OSError (EIO, EACCES) propagates: not proof of damage
         return [f"{MANIFEST} is unreadable ({type(e).__name__})"]
     problems = []
     for rel, (size, crc) in files.items():
@@ -95,8 +95,8 @@ def manifest_problems(root: Path, full: bool = True) -> list[str]:
                 problems.append(f"{rel} is damaged (checksum mismatch)")
         except FileNotFoundError:
             problems.append(f"{rel} is missing")
-        except OSError as e:
-            problems.append(f"{rel} cannot be read ({e.strerror or e})")
+        # any other OSError (EIO, EACCES, a stale NFS handle) propagates: the file may be intact, and the caller
+        # must not set the checkpoint aside as damaged for it
     return problems
 
 

@@ -133,11 +133,13 @@ def _dataset_path(source: str) -> str:
 def resume_point(cfg: RunConfig) -> tuple[Path | None, dict | None]:
     """The checkpoint to resume from and its state (None, None for a fresh start). Checked before actors start."""
     from vime_core.checkpoint import Checkpointer, check_resumable
+    from vime_core.resume import check_resume_setting
 
     ckpt = Checkpointer(cfg.save_dir, cfg.checkpoint.keep_last)
     if cfg.checkpoint.start_fresh:
         move_outputs_aside(cfg)
         return None, None
+    check_resume_setting(cfg)  # resume = false beside old checkpoints: refused (they would mix with the new ones)
     latest = ckpt.latest() if cfg.checkpoint.resume else None
     if latest is None:
         return None, None

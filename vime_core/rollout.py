@@ -315,14 +315,16 @@ class RolloutRouter:
         self.engines = engines
         self.timeout_s = timeout_s  # rollout.timeout_s: a call that takes longer raises naming the engine
 
-    def generate(self, requests: list[GroupRequest], spec: SamplingSpec) -> list[list[Sample]]:
+    def generate(self, requests: list[GroupRequest], spec: SamplingSpec, timeout_s: float | None = None,
+                 setting: str = "rollout.timeout_s") -> list[list[Sample]]:
+        """`timeout_s`/`setting`: another bound than rollout.timeout_s (an eval set: eval.timeout_s)."""
         from vime_core.cluster import gather
 
         parts = assign_groups([len(r.template.prompt_ids) * spec.n for r in requests], len(self.engines))
         busy = [(e, ix) for e, ix in enumerate(parts) if ix]
         futures = [self.engines[e].generate.remote([requests[i] for i in ix], spec) for e, ix in busy]
         results = gather(futures, [f"vLLM engine {e}" for e, _ in busy], f"generate ({sum(len(ix) for _, ix in busy)} "
-                         f"prompt groups)", self.timeout_s, "rollout.timeout_s")
+                         f"prompt groups)", timeout_s or self.timeout_s, setting)
         out: list[list[Sample] | None] = [None] * len(requests)
         for (_, ix), groups in zip(busy, results):
             for i, group in zip(ix, groups):

@@ -65,7 +65,11 @@ def output_dir_lock(output_dir: str | Path, flow_run: str | None = None) -> Iter
                 raise RunLockedError(
                     f"output_dir {out} is in use by {describe_holder(out)}; wait for that run to finish, stop it, "
                     "or choose another output_dir") from None
-            (out / HOLDER_FILE).write_text(json.dumps(holder_info(flow_run), indent=2))
+            try:
+                (out / HOLDER_FILE).write_text(json.dumps(holder_info(flow_run), indent=2))
+            except BaseException:  # a full disk, a read-only dir: do not keep a lock that nobody will release
+                lock.release()
+                raise
             entry = _held[out] = [lock, 1]
     try:
         yield
@@ -74,5 +78,7 @@ def output_dir_lock(output_dir: str | Path, flow_run: str | None = None) -> Iter
             entry[1] -= 1
             if entry[1] == 0:
                 del _held[out]
-                (out / HOLDER_FILE).unlink(missing_ok=True)
-                entry[0].release()
+                try:
+                    (out / HOLDER_FILE).unlink(missing_ok=True)
+                finally:  # an unlink error (EACCES, EIO) must not keep the lock held for the rest of the process
+                    entry[0].release()

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from vime_core.errors import VimeError
+from vime_core.errors import TransientError, VimeError
 
 MODEL_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json", "tokenizer*",
                   "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "*.model"]
@@ -24,6 +24,10 @@ MODEL_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "g
 
 class SourceError(VimeError, ValueError):
     """A source cannot be resolved; the message says what to fix."""
+
+
+class HubUnavailableError(TransientError, SourceError):
+    """The Hugging Face hub did not answer (no connection while online, HTTP 5xx or 429): retried by the pipeline."""
 
 
 @dataclass(frozen=True)
@@ -128,12 +132,20 @@ def _hf_snapshot(repo: str, revision: str | None, repo_type: str, patterns: list
         return Path(snapshot_download(repo_id=repo, revision=revision, repo_type=repo_type, allow_patterns=patterns,
                                       token=os.environ.get("HF_TOKEN")))
     except LocalEntryNotFoundError as e:
-        raise SourceError(
+        from huggingface_hub import constants
+
+        # offline on purpose: only the cache counts, a retry cannot help; online: the hub did not answer (network
+        # down, a timeout), which a retry a minute later often gets past
+        error = SourceError if constants.HF_HUB_OFFLINE else HubUnavailableError
+        raise error(
             f"hf://{repo}{'@' + revision if revision else ''} is not in the local hub cache and the hub cannot be reached "
             f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}, HF_ENDPOINT={os.environ.get('HF_ENDPOINT', 'default')}); "
             "download it on a connected machine or point HF_HOME at a cache that has it"
         ) from e
     except HfHubHTTPError as e:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status is not None and (status == 429 or status >= 500):  # rate limit, hub outage: retryable
+            raise HubUnavailableError(f"hf://{repo}: the hub answered HTTP {status} ({str(e)[:200]}); try again later") from e
         raise SourceError(f"hf://{repo}: the hub refused the download ({e}); check the name, revision and HF_TOKEN") from e
 
 

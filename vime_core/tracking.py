@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any, Protocol
 
-from vime_core.errors import VimeError
+from vime_core.errors import TransientError, VimeError
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,19 @@ class TrackingError(VimeError, RuntimeError):
     """MLflow cannot be used as configured; the message says what to fix."""
 
 
+class TrackingUnreachableError(TransientError, TrackingError):
+    """The tracking store did not answer (a server down or restarting): a pipeline task retries it."""
+
+
+def is_not_found(e: Exception) -> bool:
+    """An MlflowException that means "no such model / alias" (and nothing else). MLflow 3.17 on sqlite raises
+    RESOURCE_DOES_NOT_EXIST for a missing registered model and INVALID_PARAMETER_VALUE ("Registered model alias
+    champion not found.") for a missing alias; any other failure (a locked database, a server error) must not be
+    read as "no champion yet", which would promote a worse model."""
+    code = getattr(e, "error_code", None)
+    return code == "RESOURCE_DOES_NOT_EXIST" or (code == "INVALID_PARAMETER_VALUE" and "not found" in str(e))
+
+
 def mlflow_key(name: str) -> str:
     """MLflow metric names may not contain '@': vime's `eval/<name>/pass@k` is stored as `eval/<name>/pass_at_k`."""
     return name.replace("@", "_at_")
@@ -129,7 +142,7 @@ def check_reachable(uri: str) -> None:
     try:
         _client(uri).search_experiments(max_results=1)
     except Exception as e:
-        raise TrackingError(
+        raise TrackingUnreachableError(
             f"MLflow tracking store {uri} cannot be reached ({type(e).__name__}: {str(e)[:200]}); start the server, "
             "fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.enabled=false"
         ) from None
@@ -297,8 +310,10 @@ def alias_version(uri: str, name: str, alias: str = "champion") -> str | None:
 
     try:
         return str(_client(uri).get_model_version_by_alias(name, alias).version)
-    except MlflowException:
-        return None
+    except MlflowException as e:
+        if is_not_found(e):
+            return None
+        raise
 
 
 def promotion(metric: str, value: float, alias: str, new_version: str, previous: dict | None) -> tuple[bool, str]:
@@ -314,27 +329,48 @@ def promotion(metric: str, value: float, alias: str, new_version: str, previous:
     return False, f"{metric} {value!r} {verdict} {alias} version {previous['version']} ({old!r}); alias unchanged"
 
 
+def existing_version(client, name: str, run_id: str, tag: str, value: str):
+    """The version of `name` that run `run_id` registered already with tag `tag` = `value` (None if none): a
+    retried register task (killed after create_model_version) reuses it instead of adding a duplicate."""
+    found = [mv for mv in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+             if mv.tags.get(tag) == value]
+    return max(found, key=lambda mv: int(mv.version)) if found else None
+
+
 def register_model(uri: str, name: str, run_id: str, artifact_path: str, metric: str, value: float,
-                   alias: str = "champion", tags: dict[str, str] | None = None) -> dict[str, Any]:
+                   alias: str = "champion", tags: dict[str, str] | None = None, reuse_tag: str | None = None) -> dict[str, Any]:
     """Register a model version; move `alias` to it only when `value` beats the current holder's (recorded in the
     version's tags and description either way). The score is stored at full precision (repr) so that the next
-    comparison is exact. Returns {version, promoted, reason, previous}."""
+    comparison is exact. `reuse_tag` (a key of `tags`, e.g. the weights digest): a version of the same run with the
+    same value of that tag is reused, so a retry never registers the same weights twice. Returns {version, promoted,
+    reason, previous}."""
     client = _client(uri)
     from mlflow.exceptions import MlflowException
 
     try:
         client.get_registered_model(name)
-    except MlflowException:
+    except MlflowException as e:
+        if not is_not_found(e):
+            raise
         client.create_registered_model(name, description="GRPO policies trained by vime-flow")
     tag_key = mlflow_key(metric)
     previous = None
     try:
         current = client.get_model_version_by_alias(name, alias)
         previous = {"version": current.version, "value": float(current.tags.get(tag_key, "nan"))}
-    except MlflowException:
-        pass
-    mv = client.create_model_version(name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id,
-                                     tags={tag_key: repr(float(value)), **(tags or {})})
+    except MlflowException as e:
+        if not is_not_found(e):  # e.g. a store error: never promote on "no champion" we did not see
+            raise
+    mv = existing_version(client, name, run_id, reuse_tag, (tags or {})[reuse_tag]) if reuse_tag else None
+    if mv is not None and previous is not None and str(previous["version"]) == str(mv.version):
+        # the earlier attempt registered and promoted it already; comparing it with itself would read as a tie
+        reason = mv.tags.get("vime.promotion") or f"version {mv.version} is {alias} already"
+        return {"version": int(mv.version), "promoted": True, "reason": reason, "previous": None}
+    if mv is None:
+        mv = client.create_model_version(name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id,
+                                         tags={tag_key: repr(float(value)), **(tags or {})})
+    else:  # reused: its score tag says what this comparison used
+        client.set_model_version_tag(name, mv.version, tag_key, repr(float(value)))
     promoted, reason = promotion(metric, float(value), alias, mv.version, previous)
     if promoted:
         client.set_registered_model_alias(name, alias, mv.version)
