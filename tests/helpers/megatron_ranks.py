@@ -3,54 +3,14 @@ spawn can start them; each rank is a fresh gloo process set up by `vime_core.che
 
 from __future__ import annotations
 
-import queue as queue_mod
-import socket
-import time
-import traceback
-
 import torch
+
+from tests.helpers.spawn_ranks import spawn_ranks
 
 
 def spawn(fn_name: str, world: int, *args, timeout: float = 300.0) -> list:
-    """Run `<this module>.<fn_name>(rank, world, port, *args)` in `world` processes; the ranks' return values in rank
-    order (return numpy arrays or plain objects, not tensors). A rank's exception is raised here with its traceback."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(fn_name, r, world, port, q, args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, object] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world:
-            try:
-                rank, ok, payload = q.get(timeout=2)
-            except queue_mod.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"{fn_name}: ranks died or timed out (exit codes {[p.exitcode for p in procs]})") from None
-                continue
-            if not ok:
-                raise RuntimeError(f"{fn_name}: rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=30 if len(results) == world else 2)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
-
-
-def _entry(fn_name: str, rank: int, world: int, port: int, q, args: tuple) -> None:
-    try:
-        q.put((rank, True, globals()[fn_name](rank, world, port, *args)))
-    except BaseException:
-        q.put((rank, False, traceback.format_exc()))
+    """Run `<this module>.<fn_name>(rank, world, port, *args)` in `world` spawned processes (see spawn_ranks)."""
+    return spawn_ranks(__name__, fn_name, world, *args, timeout=timeout)
 
 
 def _set_layout(rank: int, world: int, port: int, tp: int, pp: int, ep: int, first: bool) -> None:
