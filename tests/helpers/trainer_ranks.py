@@ -96,20 +96,11 @@ def megatron_ddp_grads(rank: int, world: int, port: int, model_dir: str, loss_fa
     first 64 entries of the reduced gradient buffer, and what megatron_grads_finite says before and after a NaN is
     put into the buffer."""
     import torch
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import finalize_model_grads
 
-    from vime_core import megatron_model as mm
-    from vime_core.checkpoint import load_hf_state_dict, read_hf_config
     from vime_core.grads import megatron_grads_finite
-    from vime_core.qwen3_mapping import arch_from_hf_config, hf_to_mcore
 
-    init_gloo_rank(rank, world, port)
-    arch = arch_from_hf_config(read_hf_config(model_dir))
-    cfg = mm.transformer_config(arch, "float32")
-    module = mm.build_gpt(arch, cfg)
-    mm.load_full_weights(module, hf_to_mcore(load_hf_state_dict(model_dir), arch), arch)
-    model = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
-                                    module=module)
+    model, arch = tiny_ddp_model(rank, world, port, model_dir)
     g = torch.Generator().manual_seed(1000 + rank)
     ids = torch.randint(3, arch.vocab_size, (2, 6), generator=g)
     pos = torch.arange(6).unsqueeze(0).expand(2, 6)
@@ -128,6 +119,18 @@ def plain_grads(rank: int, world: int, port: int, model_dir: str) -> list[float]
     """Reference for megatron_ddp_grads: one process, the same per-rank batches (seeds 1000 + r for r < 2), the loss
     summed over them (each divided by 2), plain autograd; the same 64 buffer entries (DDP's buffer order)."""
     import torch
+
+    model, arch = tiny_ddp_model(rank, world, port, model_dir)
+    pos = torch.arange(6).unsqueeze(0).expand(2, 6)
+    mask = torch.triu(torch.ones(6, 6, dtype=torch.bool), diagonal=1)[None, None]
+    for r in range(2):
+        ids = torch.randint(3, arch.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1000 + r))
+        (model(input_ids=ids, position_ids=pos, attention_mask=mask).float().square().mean() / 2).backward()
+    return model.buffers[0].grad_data[:64].tolist()
+
+
+def tiny_ddp_model(rank: int, world: int, port: int, model_dir: str):
+    """This gloo rank's builtin model (fp32) inside megatron's DistributedDataParallel; -> (model, arch)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from vime_core import megatron_model as mm
@@ -139,11 +142,5 @@ def plain_grads(rank: int, world: int, port: int, model_dir: str) -> list[float]
     cfg = mm.transformer_config(arch, "float32")
     module = mm.build_gpt(arch, cfg)
     mm.load_full_weights(module, hf_to_mcore(load_hf_state_dict(model_dir), arch), arch)
-    model = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False),
-                                    module=module)
-    pos = torch.arange(6).unsqueeze(0).expand(2, 6)
-    mask = torch.triu(torch.ones(6, 6, dtype=torch.bool), diagonal=1)[None, None]
-    for r in range(2):
-        ids = torch.randint(3, arch.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1000 + r))
-        (model(input_ids=ids, position_ids=pos, attention_mask=mask).float().square().mean() / 2).backward()
-    return model.buffers[0].grad_data[:64].tolist()
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    return DistributedDataParallel(cfg, ddp, module=module), arch
