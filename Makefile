@@ -9,6 +9,7 @@ run: install
 
 test: install
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 	.venv/bin/python -m pytest -v --durations=25
 
 test-fast: install

@@ -34,30 +34,77 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 BASE = [
-    "cluster.platform=cuda", "tracking.enabled=false", "rollout.enforce_eager=true", "rollout.gpu_memory_utilization=0.3",
+    "cluster.platform=cuda",
+    "tracking.enabled=false",
+    "rollout.enforce_eager=true",
+    "rollout.gpu_memory_utilization=0.3",
     'eval.datasets=[{name: arith-heldout, source: "builtin://arith?split=heldout&size=64"}]',
 ]
 CASES: dict[str, list[str]] = {
     "ipc-fp32": ["cluster.colocate=true", "model.dtype=float32", "train.optimizer=adamw", "rollout.num_rollout=4"],
-    "ipc-bf16": ["cluster.colocate=true", "model.dtype=bfloat16", "train.optimizer=megatron", "rollout.num_rollout=4",
-                 "train.lr=2e-5"],
-    "moe-ipc-bf16": ["model.source=builtin://tiny-qwen3moe-arith", "cluster.colocate=true", "model.dtype=bfloat16",
-                     "train.optimizer=megatron", "rollout.num_rollout=3", "train.lr=2e-5"],
-    "nccl-bf16": ["cluster.colocate=false", "model.dtype=bfloat16", "train.optimizer=megatron", "rollout.num_rollout=4",
-                  "train.lr=2e-5"],
-    "tp2-colocate": ["cluster.colocate=true", "model.dtype=float32", "train.optimizer=megatron", "rollout.num_rollout=4",
-                     "train.num_devices=2", "train.tensor_parallel_size=2", "rollout.engine_tensor_parallel_size=2"],
-    "dp2-colocate": ["cluster.colocate=true", "model.dtype=bfloat16", "train.optimizer=megatron", "rollout.num_rollout=4",
-                     "train.lr=2e-5", "train.num_devices=2", "rollout.num_engines=2"],
+    "ipc-bf16": [
+        "cluster.colocate=true",
+        "model.dtype=bfloat16",
+        "train.optimizer=megatron",
+        "rollout.num_rollout=4",
+        "train.lr=2e-5",
+    ],
+    "moe-ipc-bf16": [
+        "model.source=builtin://tiny-qwen3moe-arith",
+        "cluster.colocate=true",
+        "model.dtype=bfloat16",
+        "train.optimizer=megatron",
+        "rollout.num_rollout=3",
+        "train.lr=2e-5",
+    ],
+    "nccl-bf16": [
+        "cluster.colocate=false",
+        "model.dtype=bfloat16",
+        "train.optimizer=megatron",
+        "rollout.num_rollout=4",
+        "train.lr=2e-5",
+    ],
+    "tp2-colocate": [
+        "cluster.colocate=true",
+        "model.dtype=float32",
+        "train.optimizer=megatron",
+        "rollout.num_rollout=4",
+        "train.num_devices=2",
+        "train.tensor_parallel_size=2",
+        "rollout.engine_tensor_parallel_size=2",
+    ],
+    "dp2-colocate": [
+        "cluster.colocate=true",
+        "model.dtype=bfloat16",
+        "train.optimizer=megatron",
+        "rollout.num_rollout=4",
+        "train.lr=2e-5",
+        "train.num_devices=2",
+        "rollout.num_engines=2",
+    ],
 }
 CASES["resume-bf16"] = CASES["ipc-bf16"]
 STOP_AFTER = {"resume-bf16": 2}  # cases run in two parts: stop after this many steps, then resume to the end
-PERF = ["model.dtype=bfloat16", "train.optimizer=megatron", "rollout.num_rollout=3", "rollout.rollout_batch_size=32",
-        "rollout.n_samples_per_prompt=8", "rollout.max_response_len=512", "train.global_batch_size=256",
-        "train.max_tokens_per_device=8192", "train.lr=1e-6", "eval.datasets=[]", "rollout.enforce_eager=false",
-        "rollout.gpu_memory_utilization=0.35", "data.max_prompt_len=128"]
+PERF = [
+    "model.dtype=bfloat16",
+    "train.optimizer=megatron",
+    "rollout.num_rollout=3",
+    "rollout.rollout_batch_size=32",
+    "rollout.n_samples_per_prompt=8",
+    "rollout.max_response_len=512",
+    "train.global_batch_size=256",
+    "train.max_tokens_per_device=8192",
+    "train.lr=1e-6",
+    "eval.datasets=[]",
+    "rollout.enforce_eager=false",
+    "rollout.gpu_memory_utilization=0.35",
+    "data.max_prompt_len=128",
+]
 CASES["perf-0.6b"] = PERF + ["cluster.colocate=true"]
-CASES["perf-0.6b-pertensor"] = PERF + ["cluster.colocate=true", "sync.bucket_size_mb=1"]  # baseline: ~one tensor a bucket
+CASES["perf-0.6b-pertensor"] = PERF + [
+    "cluster.colocate=true",
+    "sync.bucket_size_mb=1",
+]  # baseline: ~one tensor a bucket
 CASES["perf-0.6b-nccl"] = PERF + ["cluster.colocate=false"]
 
 
@@ -73,9 +120,21 @@ def qwen3_06b_random(out: Path) -> Path:
     if (out / "config.json").is_file():
         return out
     tok_src = builtin_model_path("tiny-qwen3-arith")
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                      rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=2, pad_token_id=0)
+    cfg = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
@@ -98,8 +157,11 @@ def run_case(name: str, out: Path) -> dict:
     t0 = time.time()
     progress = lambda i, m: print(f"[{name}] step {i} done at {time.time() - t0:.1f}s", flush=True)  # noqa: E731
     if name in STOP_AFTER:
-        run(load_config(REPO / "configs" / "tiny-cpu.yaml", overrides + [f"rollout.num_rollout={STOP_AFTER[name]}"]),
-            sink, on_step=progress)
+        run(
+            load_config(REPO / "configs" / "tiny-cpu.yaml", overrides + [f"rollout.num_rollout={STOP_AFTER[name]}"]),
+            sink,
+            on_step=progress,
+        )
     result = run(cfg, sink, on_step=progress)
     rows = [r for r in sink.rows if "rollout/raw_reward" in r]
     col = lambda k: [round(r[k], 6) for r in rows]  # noqa: E731
@@ -145,10 +207,13 @@ def main() -> int:
             print(f"[{name}] FAILED {s['error']}", flush=True)
             continue
         med = lambda xs: statistics.median(xs[1:] or xs)  # noqa: E731  (first step includes warm-up)
-        print(f"[{name}] wall {s['wall_s']}s | logprob diff max {max(s['logprob_abs_diff']):.2e} | "
-              f"sync {med(s['update_weights_time_s']):.3f}s | rollout {med(s['rollout_time_s']):.2f}s | "
-              f"train {med(s['train_time_s']):.2f}s | {med(s['tokens_per_gpu_per_sec']):,.0f} rollout tok/s/GPU | "
-              f"{med(s['actor_train_tok_per_s']):,.0f} train tok/s | eval {s['baseline_eval']} -> {s['final_eval']}", flush=True)
+        print(
+            f"[{name}] wall {s['wall_s']}s | logprob diff max {max(s['logprob_abs_diff']):.2e} | "
+            f"sync {med(s['update_weights_time_s']):.3f}s | rollout {med(s['rollout_time_s']):.2f}s | "
+            f"train {med(s['train_time_s']):.2f}s | {med(s['tokens_per_gpu_per_sec']):,.0f} rollout tok/s/GPU | "
+            f"{med(s['actor_train_tok_per_s']):,.0f} train tok/s | eval {s['baseline_eval']} -> {s['final_eval']}",
+            flush=True,
+        )
     return 0
 
 

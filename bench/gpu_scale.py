@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -41,88 +40,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-H200_BF16_PEAK = 989e12
+from gpu_scale_report import H200_BF16_PEAK, SHAPES, hf_config, matmul_params, merge_phase, param_count  # noqa: E402
+
 HF_MICRO_BATCH_TOKENS = 9216  # vime's --max-tokens-per-gpu; the issue's HF baseline uses the same budget
 PHASES = ("build", "loop", "vllm", "hf")
 # watchdog per phase (s); every phase is also capped by what is left of --deadline-s
 PHASE_TIMEOUT = {"build": 240, "loop": 560, "vllm": 420, "hf": 300}
-QWEN3 = dict(vocab_size=151936, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6, head_dim=128)
-SHAPES = {  # public config.json values of Qwen/Qwen3-1.7B, -4B, -8B; `tiny` is the CPU smoke shape
-    "1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 intermediate_size=6144, tie_word_embeddings=True),
-    "4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=9728, tie_word_embeddings=True),
-    "8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-               intermediate_size=12288, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                 intermediate_size=384, tie_word_embeddings=True, vocab_size=512, max_position_embeddings=2048),
-}
-DONE_WHEN = (  # issue 13, for the 1.7B shapes: (label, key, op, other key or constant, factor)
-    ("trainer_tok_s >= 1.2 x hf_sdpa_tok_s", "trainer_tok_s", ">=", "hf_sdpa_tok_s", 1.2),
-    ("trainer_peak_gib <= 60", "trainer_peak_gib", "<=", None, 60.0),
-    ("rollout_tok_per_gpu_s >= 0.95 x raw_vllm_tok_s", "rollout_tok_per_gpu_s", ">=", "raw_vllm_tok_s", 0.95),
-    ("sync_s <= 0.5", "sync_s", "<=", None, 0.5),
-)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# pure helpers (tests/test_bench_gpu_scale.py)
+# config overrides for the loop phase (tests/test_bench_gpu_scale.py; the rest is in gpu_scale_report.py)
 # ---------------------------------------------------------------------------------------------------------------------
-def hf_config(shape: str, eos_token_id: int = 2, pad_token_id: int = 0) -> dict:
-    c = {**QWEN3, **SHAPES[shape]}
-    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **c, "hidden_act": "silu",
-            "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False, "sliding_window": None,
-            "max_window_layers": c["num_hidden_layers"], "initializer_range": 0.02, "use_cache": True,
-            "eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "bos_token_id": None, "dtype": "bfloat16"}
-
-
-def layer_params(c: dict) -> int:
-    h, d = c["hidden_size"], c["head_dim"]
-    attn = h * c["num_attention_heads"] * d * 2 + h * c["num_key_value_heads"] * d * 2  # q, o; k, v
-    return attn + 3 * h * c["intermediate_size"] + 2 * h + 2 * d  # gate/up/down; two RMSNorms; q/k norms
-
-
-def param_count(c: dict) -> int:
-    emb = c["vocab_size"] * c["hidden_size"]
-    return c["num_hidden_layers"] * layer_params(c) + emb * (1 if c["tie_word_embeddings"] else 2) + c["hidden_size"]
-
-
-def matmul_params(c: dict) -> int:
-    """Parameters that take part in a matmul per token: the layers and the LM head (the embedding is a lookup)."""
-    return c["num_hidden_layers"] * layer_params(c) + c["vocab_size"] * c["hidden_size"]
-
-
-def step_flops(c: dict, seq_lens: list[float], passes: int = 4) -> float:
-    """Model FLOPs of a GRPO step over sequences of these lengths. One pass (a forward) costs 2 x matmul params per
-    token plus causal attention 2 x s x layers x heads x head_dim per token (QK^T and AV, halved by the mask);
-    backward = 2 passes; 4 = no-grad forward for the old log-probs + forward/backward. Recompute is not counted."""
-    attn = 2 * c["num_hidden_layers"] * c["num_attention_heads"] * c["head_dim"]
-    return passes * sum(2 * matmul_params(c) * s + attn * s * s for s in seq_lens)
-
-
-def mfu(flops: float, seconds: float, peak: float = H200_BF16_PEAK) -> float | None:
-    return flops / seconds / peak if seconds > 0 else None
-
-
-def median_after_first(xs: list[float]) -> float | None:
-    """Median over steps after the first (which includes warm-up: CUDA graphs, allocator growth); the only value if
-    there is one step."""
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs[1:] if len(xs) > 1 else xs) if xs else None
-
-
-def pack(lengths: list[int], budget: int) -> list[list[int]]:
-    """Micro-batches of sequence indices, longest first, rows x longest row <= budget (a longer sequence alone)."""
-    out: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
-
-
 def field_exists(path: list[str]) -> bool:
     """Whether `a.b` names a field of RunConfig (fields such as train.recompute appear as the trainer changes)."""
     from pydantic import BaseModel
@@ -147,74 +77,31 @@ def filter_overrides(items: list[str]) -> tuple[list[str], list[str]]:
 
 def loop_overrides(args, model_dir: Path, run_dir: Path) -> list[str]:
     cpu = args.device == "cpu"
-    dev = ["cluster.platform=cpu", "model.dtype=float32", "train.optimizer=adamw", "rollout.cpu_kv_cache_gib=0.25"] \
-        if cpu else ["cluster.platform=cuda", "model.dtype=bfloat16", "train.optimizer=megatron"]
-    return dev + [
-        f"model.source={model_dir}", "cluster.colocate=true", "tracking.enabled=false", "data.source=builtin://arith",
-        "data.max_prompt_len=128", f"rollout.num_rollout={args.steps}", f"rollout.rollout_batch_size={args.prompts}",
-        f"rollout.n_samples_per_prompt={args.samples}", f"rollout.max_response_len={args.response_len}",
-        f"train.global_batch_size={args.prompts * args.samples}", "eval.datasets=[]", "checkpoint.resume=false",
-        "checkpoint.save_optimizer=false", f"output_dir={run_dir}",  # the loop always saves after the last step
-    ] + list(args.set)
-
-
-def summarize(doc: dict) -> dict:
-    """The issue's keys (medians over steps after the first), ratios and Done-when checks from the phase records."""
-    ph = doc.get("phases", {})
-    col = lambda name, key: [r.get(key) for r in ph.get(name, {}).get("steps", [])]  # noqa: E731
-    s = {
-        "rollout_tok_per_gpu_s": median_after_first(col("loop", "perf/tokens_per_gpu_per_sec")),
-        "raw_vllm_tok_s": median_after_first(col("vllm", "tok_s")),
-        "trainer_tok_s": median_after_first(col("loop", "perf/actor_train_tok_per_s")),
-        "hf_sdpa_tok_s": median_after_first(col("hf", "tok_s")),
-        "trainer_peak_gib": None, "hf_sdpa_peak_gib": median_after_first(col("hf", "peak_gib")),
-        "sync_s": median_after_first(col("loop", "perf/update_weights_time")),
-        "step_s": median_after_first(col("loop", "perf/step_time")),
-        "logprob_abs_diff": median_after_first(col("loop", "train/train_rollout_logprob_abs_diff")),
-        "mfu": median_after_first(col("loop", "bench/mfu")), "hf_sdpa_mfu": median_after_first(col("hf", "mfu")),
-        # the same work in each phase: response lengths (random weights rarely sample EOS) and trained tokens
-        "loop_response_len_mean": median_after_first(col("loop", "rollout/response_len/mean")),
-        "raw_vllm_response_len_mean": median_after_first(col("vllm", "response_len_mean")),
-        "loop_train_tokens": median_after_first(col("loop", "bench/train_tokens")),
-        "hf_sdpa_train_tokens": median_after_first(col("hf", "tokens")),
-    }
-    loop = ph.get("loop", {})
-    keys = trainer_peak_keys(loop.get("steps", []))
-    if keys:  # per-step trainer peaks (e.g. perf/trainer_peak_gib, perf/trainer_logprobs_peak_gib): the step's max
-        per_step = [max((r[k] for k in keys if r.get(k) is not None), default=None) for r in loop["steps"]]
-        s["trainer_peak_gib"], s["trainer_peak_source"] = median_after_first(per_step), "max of " + ", ".join(keys)
-    elif loop.get("trainer_info"):
-        s["trainer_peak_gib"] = max(i.get("max_gpu_mem_gib", 0.0) for i in loop["trainer_info"])
-        s["trainer_peak_source"] = "trainer_info.max_gpu_mem_gib (torch allocator peak of the trainer over the run)"
-    div = lambda a, b: s[a] / s[b] if s.get(a) is not None and s.get(b) else None  # noqa: E731
-    s["ratios"] = {"trainer_vs_hf_sdpa": div("trainer_tok_s", "hf_sdpa_tok_s"),
-                   "rollout_vs_raw_vllm": div("rollout_tok_per_gpu_s", "raw_vllm_tok_s"),
-                   "trainer_peak_vs_hf_sdpa_peak": div("trainer_peak_gib", "hf_sdpa_peak_gib")}
-    s["done_when"] = {}
-    for label, a, op, b, f in DONE_WHEN:
-        x, y = s.get(a), (s.get(b) if b else 1.0)
-        s["done_when"][label] = None if x is None or y is None else (x >= f * y if op == ">=" else x <= f * y)
-    return s
-
-
-SUMMARY_KEYS = {"rollout_tok_per_gpu_s", "raw_vllm_tok_s", "trainer_tok_s", "hf_sdpa_tok_s", "trainer_peak_gib",
-                "hf_sdpa_peak_gib", "sync_s", "step_s", "logprob_abs_diff", "mfu", "hf_sdpa_mfu", "loop_response_len_mean",
-                "raw_vllm_response_len_mean", "loop_train_tokens", "hf_sdpa_train_tokens", "trainer_peak_source",
-                "ratios", "done_when"}
-
-
-def trainer_peak_keys(rows: list[dict]) -> list[str]:
-    return sorted({k for r in rows for k in r if all(w in k.lower() for w in ("gib", "train", "peak"))})
-
-
-def merge_phase(doc: dict | None, header: dict, phase: str, record: dict) -> dict:
-    """Fold one phase record into a result document; a document of another batch shape is replaced."""
-    doc = {k: v for k, v in (doc or {}).items() if k not in SUMMARY_KEYS}  # recomputed below
-    if not doc or any(doc.get(k) != v for k, v in header.items() if k in ("shape", "prompts", "samples", "response_len")):
-        doc = {**header, "phases": {}}
-    doc.update({k: v for k, v in header.items() if k != "phases"})
-    doc["phases"][phase] = record
-    return {**doc, **summarize(doc)}
+    dev = (
+        ["cluster.platform=cpu", "model.dtype=float32", "train.optimizer=adamw", "rollout.cpu_kv_cache_gib=0.25"]
+        if cpu
+        else ["cluster.platform=cuda", "model.dtype=bfloat16", "train.optimizer=megatron"]
+    )
+    return (
+        dev
+        + [
+            f"model.source={model_dir}",
+            "cluster.colocate=true",
+            "tracking.enabled=false",
+            "data.source=builtin://arith",
+            "data.max_prompt_len=128",
+            f"rollout.num_rollout={args.steps}",
+            f"rollout.rollout_batch_size={args.prompts}",
+            f"rollout.n_samples_per_prompt={args.samples}",
+            f"rollout.max_response_len={args.response_len}",
+            f"train.global_batch_size={args.prompts * args.samples}",
+            "eval.datasets=[]",
+            "checkpoint.resume=false",
+            "checkpoint.save_optimizer=false",
+            f"output_dir={run_dir}",  # the loop always saves after the last step
+        ]
+        + list(args.set)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -266,8 +153,12 @@ class GpuMemPeak(threading.Thread):
 
 def gpu_used_gib() -> float | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout.split()
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.split()
         return float(out[0]) / 1024
     except (OSError, ValueError, IndexError, subprocess.SubprocessError):
         return None
@@ -306,12 +197,38 @@ def kill_tree(proc: subprocess.Popen) -> None:
 def run_child(args, phase: str, timeout: float) -> dict:
     partial = Path(args.out) / f".{args.shape}-{args.response_len}-{phase}.partial.json"
     partial.unlink(missing_ok=True)
-    cmd = [sys.executable, os.path.abspath(__file__), "--shape", args.shape, "--prompts", str(args.prompts),
-           "--samples", str(args.samples), "--response-len", str(args.response_len), "--steps", str(args.steps),
-           "--out", str(args.out), "--device", args.device, "--cache", str(args.cache), "--peak-flops",
-           str(args.peak_flops), "--hf-micro-batch-tokens", str(args.hf_micro_batch_tokens),
-           *[x for s in args.set for x in ("--set", s)], *(["--vllm-no-seed"] if args.vllm_no_seed else []),
-           "--child", phase, "--child-out", str(partial), "--child-timeout", str(int(timeout))]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--shape",
+        args.shape,
+        "--prompts",
+        str(args.prompts),
+        "--samples",
+        str(args.samples),
+        "--response-len",
+        str(args.response_len),
+        "--steps",
+        str(args.steps),
+        "--out",
+        str(args.out),
+        "--device",
+        args.device,
+        "--cache",
+        str(args.cache),
+        "--peak-flops",
+        str(args.peak_flops),
+        "--hf-micro-batch-tokens",
+        str(args.hf_micro_batch_tokens),
+        *[x for s in args.set for x in ("--set", s)],
+        *(["--vllm-no-seed"] if args.vllm_no_seed else []),
+        "--child",
+        phase,
+        "--child-out",
+        str(partial),
+        "--child-timeout",
+        str(int(timeout)),
+    ]
     mem = GpuMemPeak()
     mem.start()
     t0 = time.time()
@@ -325,19 +242,36 @@ def run_child(args, phase: str, timeout: float) -> dict:
     used_after = wait_gpu_released()
     rec = json.loads(partial.read_text()) if partial.is_file() else {"steps": []}
     partial.unlink(missing_ok=True)
-    rec.update(wall_s=round(time.time() - t0, 1), rc=rc, timed_out=timed_out, device_used_peak_gib=mem.peak,
-               device_used_after_gib=used_after,
-               started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)))
+    rec.update(
+        wall_s=round(time.time() - t0, 1),
+        rc=rc,
+        timed_out=timed_out,
+        device_used_peak_gib=mem.peak,
+        device_used_after_gib=used_after,
+        started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+    )
     if timed_out or rc != 0:
-        rec["error"] = f"phase {phase} {'hit the watchdog after %.0f s' % timeout if timed_out else 'exited with %s' % rc}"
+        rec["error"] = (
+            f"phase {phase} {'hit the watchdog after %.0f s' % timeout if timed_out else 'exited with %s' % rc}"
+        )
     return rec
 
 
 def header(args) -> dict:
     c = hf_config(args.shape)
-    return {"shape": args.shape, "prompts": args.prompts, "samples": args.samples, "response_len": args.response_len,
-            "steps": args.steps, "device": args.device, "peak_flops": args.peak_flops, "hf_config": c,
-            "params": param_count(c), "matmul_params": matmul_params(c), "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return {
+        "shape": args.shape,
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "response_len": args.response_len,
+        "steps": args.steps,
+        "device": args.device,
+        "peak_flops": args.peak_flops,
+        "hf_config": c,
+        "params": param_count(c),
+        "matmul_params": matmul_params(c),
+        "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def write_phase(args, phase: str, rec: dict) -> dict:
@@ -353,12 +287,15 @@ def write_phase(args, phase: str, rec: dict) -> dict:
 def print_summary(doc: dict) -> None:
     f = lambda v, p=0: "-" if v is None else f"{v:,.{p}f}"  # noqa: E731
     r = doc["ratios"]
-    print(f"[gpu_scale] {doc['shape']} {doc['prompts']}x{doc['samples']} x {doc['response_len']}: rollout "
-          f"{f(doc['rollout_tok_per_gpu_s'])} vs raw vLLM {f(doc['raw_vllm_tok_s'])} tok/s ({f(r['rollout_vs_raw_vllm'], 2)}x) | "
-          f"trainer {f(doc['trainer_tok_s'])} vs HF+SDPA {f(doc['hf_sdpa_tok_s'])} tok/s ({f(r['trainer_vs_hf_sdpa'], 2)}x) | "
-          f"peak {f(doc['trainer_peak_gib'], 1)} vs {f(doc['hf_sdpa_peak_gib'], 1)} GiB | sync {f(doc['sync_s'], 3)}s | "
-          f"step {f(doc['step_s'], 1)}s | mfu {f(doc['mfu'], 3)} (HF {f(doc['hf_sdpa_mfu'], 3)}) | "
-          f"logprob diff {'-' if doc['logprob_abs_diff'] is None else '%.1e' % doc['logprob_abs_diff']}", flush=True)
+    print(
+        f"[gpu_scale] {doc['shape']} {doc['prompts']}x{doc['samples']} x {doc['response_len']}: rollout "
+        f"{f(doc['rollout_tok_per_gpu_s'])} vs raw vLLM {f(doc['raw_vllm_tok_s'])} tok/s ({f(r['rollout_vs_raw_vllm'], 2)}x) | "
+        f"trainer {f(doc['trainer_tok_s'])} vs HF+SDPA {f(doc['hf_sdpa_tok_s'])} tok/s ({f(r['trainer_vs_hf_sdpa'], 2)}x) | "
+        f"peak {f(doc['trainer_peak_gib'], 1)} vs {f(doc['hf_sdpa_peak_gib'], 1)} GiB | sync {f(doc['sync_s'], 3)}s | "
+        f"step {f(doc['step_s'], 1)}s | mfu {f(doc['mfu'], 3)} (HF {f(doc['hf_sdpa_mfu'], 3)}) | "
+        f"logprob diff {'-' if doc['logprob_abs_diff'] is None else '%.1e' % doc['logprob_abs_diff']}",
+        flush=True,
+    )
     print(f"[gpu_scale] done-when: {json.dumps(doc['done_when'])}", flush=True)
 
 
@@ -373,8 +310,24 @@ def merge_main(args) -> int:
             cur = json.loads(path.read_text()) if path.is_file() else None
             if cur and cur.get("phases", {}).get(phase, {}).get("started_at", "") > rec.get("started_at", ""):
                 continue
-            hdr = {k: v for k, v in d.items() if k in ("shape", "prompts", "samples", "response_len", "steps", "device",
-                                                       "peak_flops", "hf_config", "params", "matmul_params", "updated_at")}
+            hdr = {
+                k: v
+                for k, v in d.items()
+                if k
+                in (
+                    "shape",
+                    "prompts",
+                    "samples",
+                    "response_len",
+                    "steps",
+                    "device",
+                    "peak_flops",
+                    "hf_config",
+                    "params",
+                    "matmul_params",
+                    "updated_at",
+                )
+            }
             path.write_text(json.dumps(merge_phase(cur, hdr, phase, rec), indent=1, default=str))
         print_summary(json.loads(path.read_text()))
     return 0
@@ -388,11 +341,14 @@ def dry_run(args) -> int:
         model_dir.parent.mkdir(parents=True, exist_ok=True)
         phases().build_checkpoint("tiny", model_dir, "cpu")
     cfg, kept, dropped = phases().bench_config(args, model_dir, Path(args.cache) / "runs" / "dry")
-    from vime_core.config import ModelArch, check_model_compat
+    from vime_core.models import arch_from_hf_config, check_model_compat
 
-    check_model_compat(cfg, ModelArch.from_hf_config(json.loads((model_dir / "config.json").read_text())))
+    check_model_compat(cfg, arch_from_hf_config(json.loads((model_dir / "config.json").read_text())))
     partial = Path(args.out) / ".dry-hf.partial.json"
-    rec = {**phases().hf_phase(args, model_dir, partial), "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    rec = {
+        **phases().hf_phase(args, model_dir, partial),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     partial.unlink(missing_ok=True)
     write_phase(args, "loop", {"steps": [], "skipped": "dry run", "overrides": kept, "dropped_overrides": dropped})
     print_summary(write_phase(args, "hf", rec))
@@ -408,17 +364,28 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="rollout steps per phase; medians skip the first")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu-scale"))
     p.add_argument("--only", default="build,loop,vllm,hf", help="comma-separated phases (build runs when needed)")
-    p.add_argument("--set", action="append", default=[], help="loop config override section.field=value "
-                   "(repeatable; fields this RunConfig lacks are skipped with a note)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="loop config override section.field=value "
+        "(repeatable; fields this RunConfig lacks are skipped with a note)",
+    )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--cache", default=os.environ.get("VIME_BENCH_CACHE", "/tmp/vime-gpu-scale"),
-                   help="random checkpoints and the loop's run dirs")
+    p.add_argument(
+        "--cache",
+        default=os.environ.get("VIME_BENCH_CACHE", "/tmp/vime-gpu-scale"),
+        help="random checkpoints and the loop's run dirs",
+    )
     p.add_argument("--deadline-s", type=float, default=565.0, help="stop starting phases past this; caps watchdogs")
     p.add_argument("--copy-to", help="also copy the result file here after every phase (the device's $OUT)")
     p.add_argument("--peak-flops", type=float, default=H200_BF16_PEAK)
     p.add_argument("--hf-micro-batch-tokens", type=int, default=HF_MICRO_BATCH_TOKENS)
-    p.add_argument("--vllm-no-seed", action="store_true", help="raw vLLM without the loop's per-request seeds "
-                   "(seeded requests take vLLM's per-request generator path)")
+    p.add_argument(
+        "--vllm-no-seed",
+        action="store_true",
+        help="raw vLLM without the loop's per-request seeds (seeded requests take vLLM's per-request generator path)",
+    )
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--merge", nargs="+", help="result files to fold into --out")
     p.add_argument("--child", help=argparse.SUPPRESS)

@@ -12,7 +12,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_scale import filter_overrides, hf_config, loop_overrides, mfu, pack, step_flops  # noqa: E402
+from gpu_scale import filter_overrides, loop_overrides  # noqa: E402
+from gpu_scale_report import hf_config, mfu, pack, step_flops  # noqa: E402
 
 
 def build_checkpoint(shape: str, out: Path, device: str) -> dict:
@@ -74,13 +75,18 @@ def loop_phase(args, model_dir: Path, partial: Path) -> dict:
         row = {k: v for k, v in m.items() if isinstance(v, (int, float))}
         lens = [len(p) + m["rollout/response_len/mean"] for p in prompts[i] for _ in range(args.samples)]
         row["bench/train_tokens"] = sum(lens)  # prompt + mean response length per sample, as the HF phase counts
-        row["bench/mfu"] = mfu(step_flops(arch, lens) / sum(lens) * m["perf/actor_train_tok_per_s"], 1.0, args.peak_flops)
+        row["bench/mfu"] = mfu(
+            step_flops(arch, lens) / sum(lens) * m["perf/actor_train_tok_per_s"], 1.0, args.peak_flops
+        )
         row["bench/at_s"] = round(time.time() - t0, 1)
         rec["steps"].append(row)
         partial.write_text(json.dumps(rec, default=str))  # survives a watchdog kill during a later step
-        print(f"[loop] step {i}: rollout {m['perf/rollout_time']:.1f}s {m['perf/tokens_per_gpu_per_sec']:,.0f} tok/s | "
-              f"train {m['perf/train_time']:.1f}s {m['perf/actor_train_tok_per_s']:,.0f} tok/s | sync "
-              f"{m['perf/update_weights_time']:.2f}s | step {m['perf/step_time']:.1f}s | at {row['bench/at_s']}s", flush=True)
+        print(
+            f"[loop] step {i}: rollout {m['perf/rollout_time']:.1f}s {m['perf/tokens_per_gpu_per_sec']:,.0f} tok/s | "
+            f"train {m['perf/train_time']:.1f}s {m['perf/actor_train_tok_per_s']:,.0f} tok/s | sync "
+            f"{m['perf/update_weights_time']:.2f}s | step {m['perf/step_time']:.1f}s | at {row['bench/at_s']}s",
+            flush=True,
+        )
 
     try:
         result = run(cfg, MemorySink(), on_step=on_step)
@@ -103,27 +109,48 @@ def vllm_phase(args, model_dir: Path, partial: Path) -> dict:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
-    kwargs = engine_kwargs(EngineOptions(
-        model_path=str(model_dir), dtype=cfg.model.engine_dtype, seed=cfg.seed, platform=cfg.cluster.platform,
-        max_model_len=cfg.data.max_prompt_len + max(cfg.rollout.max_response_len, cfg.eval.max_response_len or 0),
-        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
-        enforce_eager=cfg.rollout.enforce_eager, sleep_mode=False))
+    kwargs = engine_kwargs(
+        EngineOptions(
+            model_path=str(model_dir),
+            dtype=cfg.model.engine_dtype,
+            seed=cfg.seed,
+            platform=cfg.cluster.platform,
+            max_model_len=cfg.data.max_prompt_len + max(cfg.rollout.max_response_len, cfg.eval.max_response_len or 0),
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
+            enforce_eager=cfg.rollout.enforce_eager,
+            sleep_mode=False,
+        )
+    )
     kwargs.pop("worker_extension_cls", None)  # raw vLLM: no weight-sync extension
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
-    rec: dict = {"engine_kwargs": {k: str(v) for k, v in kwargs.items()}, "start_s": time.perf_counter() - t0,
-                 "seeded": not args.vllm_no_seed, "steps": []}
+    rec: dict = {
+        "engine_kwargs": {k: str(v) for k, v in kwargs.items()},
+        "start_s": time.perf_counter() - t0,
+        "seeded": not args.vllm_no_seed,
+        "steps": [],
+    }
     spec = sampling_spec(cfg)
     for step, batch in enumerate(prompts):
-        params = [spec.vllm_params(seed=None if args.vllm_no_seed else request_seed(cfg.seed, step, 0, i))
-                  for i in range(len(batch))]
+        params = [
+            spec.vllm_params(seed=None if args.vllm_no_seed else request_seed(cfg.seed, step, 0, i))
+            for i in range(len(batch))
+        ]
         llm.reset_prefix_cache()  # as the loop does at every step
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         dt = time.perf_counter() - t
         lens = [len(c.token_ids) for o in outs for c in o.outputs]
-        rec["steps"].append({"seconds": dt, "tokens": sum(lens), "tok_s": sum(lens) / dt,
-                             "response_len_mean": statistics.fmean(lens), "samples": len(lens)})
+        rec["steps"].append(
+            {
+                "seconds": dt,
+                "tokens": sum(lens),
+                "tok_s": sum(lens) / dt,
+                "response_len_mean": statistics.fmean(lens),
+                "samples": len(lens),
+            }
+        )
         partial.write_text(json.dumps(rec, default=str))
         print(f"[vllm] step {step}: {dt:.1f}s {sum(lens) / dt:,.0f} tok/s ({len(lens)} samples)", flush=True)
     return rec
@@ -142,7 +169,7 @@ def hf_batches(seqs: list[list[int]], starts: list[int], adv: list[float], budge
         for r, i in enumerate(mb):
             s = torch.tensor(seqs[i])
             ids[r, : len(s)] = s
-            tgt[r, starts[i] - 1 : len(s) - 1] = s[starts[i]:]
+            tgt[r, starts[i] - 1 : len(s) - 1] = s[starts[i] :]
             a[r, starts[i] - 1 : len(s) - 1] = adv[i]
         out.append((ids.to(device), tgt.to(device), a.to(device)))
     return out
@@ -160,20 +187,25 @@ def hf_phase(args, model_dir: Path, partial: Path) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(dev)
     model.config.use_cache = False
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1,
-                            fused=dev.type == "cuda")
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-6, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1, fused=dev.type == "cuda"
+    )
     arch, vocab = json.loads((model_dir / "config.json").read_text()), model.config.vocab_size
     g = torch.Generator().manual_seed(0)
 
     def token_logp(ids, tgt):
         logits = model(input_ids=ids).logits
-        return -F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), ignore_index=-100,
-                                reduction="none").view_as(tgt)
+        return -F.cross_entropy(
+            logits.float().flatten(0, 1), tgt.flatten(), ignore_index=-100, reduction="none"
+        ).view_as(tgt)
 
     rec: dict = {"micro_batch_tokens": args.hf_micro_batch_tokens, "dtype": str(dtype), "steps": []}
     for step, batch in enumerate(prompts):
-        seqs = [p + torch.randint(3, vocab, (args.response_len,), generator=g).tolist() for p in batch
-                for _ in range(args.samples)]
+        seqs = [
+            p + torch.randint(3, vocab, (args.response_len,), generator=g).tolist()
+            for p in batch
+            for _ in range(args.samples)
+        ]
         starts = [len(p) for p in batch for _ in range(args.samples)]
         adv = [1.0 if (i % 2) else -1.0 for i in range(len(seqs))]
         if dev.type == "cuda":
@@ -196,10 +228,19 @@ def hf_phase(args, model_dir: Path, partial: Path) -> dict:
         dt = time.perf_counter() - t
         tokens = sum(len(s) for s in seqs)
         peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
-        rec["steps"].append({"seconds": dt, "tokens": tokens, "tok_s": tokens / dt, "peak_gib": peak,
-                             "micro_batches": len(mbs), "mfu": mfu(step_flops(arch, [len(s) for s in seqs]), dt,
-                                                                    args.peak_flops)})
+        rec["steps"].append(
+            {
+                "seconds": dt,
+                "tokens": tokens,
+                "tok_s": tokens / dt,
+                "peak_gib": peak,
+                "micro_batches": len(mbs),
+                "mfu": mfu(step_flops(arch, [len(s) for s in seqs]), dt, args.peak_flops),
+            }
+        )
         partial.write_text(json.dumps(rec))
-        print(f"[hf] step {step}: {dt:.1f}s {tokens / dt:,.0f} tok/s, {len(mbs)} micro-batches, peak {peak} GiB", flush=True)
+        print(
+            f"[hf] step {step}: {dt:.1f}s {tokens / dt:,.0f} tok/s, {len(mbs)} micro-batches, peak {peak} GiB",
+            flush=True,
+        )
     return rec
-

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
+from vime_core.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,14 +32,13 @@ def main() -> int:
 
     from vime_core import megatron_model as mm
     from vime_core.builtin import builtin_model_path
-    from vime_core.checkpoint import _init_rank, load_hf_state_dict, read_hf_config
-    from vime_core.qwen3_mapping import arch_from_hf_config, hf_to_mcore
-    from vime_core.train import pack_micro_batches
+    from vime_core.checkpoint import init_rank, load_hf_state_dict, read_hf_config
+    from vime_core.models import arch_from_hf_config
+    from vime_core.models.qwen3_mapping import hf_to_mcore
+    from vime_core.trainer import pack_micro_batches
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    _init_rank(0, 1, port, 1, 1, 1)
+    port = free_port()
+    init_rank(0, 1, port, 1, 1, 1)
     model_dir = builtin_model_path("tiny-qwen3-arith")
     arch = arch_from_hf_config(read_hf_config(model_dir))
     model = mm.build_gpt(arch, mm.transformer_config(arch, "float32"))
@@ -75,8 +74,10 @@ def main() -> int:
             dt, padded = run(batches)
             times.append(dt)
         out[name] = statistics.median(times)
-        print(f"{name:>28}: {len(batches):3d} micro-batches, {padded:,} padded tokens for {real:,} real "
-              f"({real / padded:.0%} useful), {out[name]:.2f} s fwd+bwd ({real / out[name]:,.0f} real tok/s)")
+        print(
+            f"{name:>28}: {len(batches):3d} micro-batches, {padded:,} padded tokens for {real:,} real "
+            f"({real / padded:.0%} useful), {out[name]:.2f} s fwd+bwd ({real / out[name]:,.0f} real tok/s)"
+        )
     a, b = out.values()
     print(f"packing speed-up over the fixed baseline: {b / a:.2f}x")
     return 0

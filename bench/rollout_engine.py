@@ -57,11 +57,22 @@ def main() -> int:
     def hf_once() -> tuple[int, float]:
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = hf.generate(**batch, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=args.max_tokens,
-                              num_return_sequences=args.samples, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        new = out[:, batch["input_ids"].shape[1]:]
+            out = hf.generate(
+                **batch,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                max_new_tokens=args.max_tokens,
+                num_return_sequences=args.samples,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+        new = out[:, batch["input_ids"].shape[1] :]
         # count tokens up to and including EOS, as vLLM does
-        n = sum(int((row == tok.eos_token_id).nonzero()[0]) + 1 if (row == tok.eos_token_id).any() else len(row) for row in new)
+        n = sum(
+            int((row == tok.eos_token_id).nonzero()[0]) + 1 if (row == tok.eos_token_id).any() else len(row)
+            for row in new
+        )
         return n, time.perf_counter() - t0
 
     results = {}
@@ -72,9 +83,13 @@ def main() -> int:
             n, dt = fn()
             rates.append(n / dt)
         results[name] = statistics.median(rates)
-        print(f"{name:>12}: {results[name]:,.0f} response tokens/s (median of {args.repeats}, {args.prompts}x{args.samples} samples)")
-    print(f"vLLM / transformers = {results['vllm'] / results['transformers']:.2f}x  (threads: {torch.get_num_threads()}, "
-          f"cores: {os.cpu_count()})")
+        print(
+            f"{name:>12}: {results[name]:,.0f} response tokens/s (median of {args.repeats}, {args.prompts}x{args.samples} samples)"
+        )
+    print(
+        f"vLLM / transformers = {results['vllm'] / results['transformers']:.2f}x  (threads: {torch.get_num_threads()}, "
+        f"cores: {os.cpu_count()})"
+    )
     engine.shutdown()
     return 0
 

@@ -1,6 +1,6 @@
 """On-demand evaluation of any policy: a registered model, an HF checkpoint, or a training checkpoint.
 
-    python -m flows.evaluate --model mlflow://models:/vime-tiny-cpu@champion --config configs/tiny-cpu.yaml
+python -m flows.evaluate --model mlflow://models:/vime-tiny-cpu@champion --config configs/tiny-cpu.yaml
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from vime_core.config import load_config
 
 
 @flow(name="evaluate-checkpoint", log_prints=True)
-def evaluate_checkpoint(model: str, config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | None = None) -> dict[str, float]:
+def evaluate_checkpoint(
+    model: str, config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | None = None
+) -> dict[str, float]:
     """`model`: a model source (builtin://, hf://, mlflow://models:/..., an HF directory) or a training checkpoint
     directory (iter_XXXXXXX, exported to HF first). Eval datasets and sampling come from the config."""
     cfg = load_config(config_path, overrides or [])

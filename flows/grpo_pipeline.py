@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 import flows  # noqa: F401  (offline variables before Prefect loads)
@@ -38,7 +39,9 @@ NOTHING_TRAINED = "NothingTrained"  # the Prefect state name (type COMPLETED) of
 
 
 @flow(name="grpo-pipeline", log_prints=True)
-def grpo_pipeline(config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | None = None, nightly: bool = False):
+def grpo_pipeline(
+    config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | None = None, nightly: bool = False
+):
     """GRPO post-training of a Qwen3 model, from source checkpoint to a registered, evaluated policy."""
     from vime_core.orphans import start_watchdog
 
@@ -58,8 +61,11 @@ def grpo_pipeline(config_path: str = "configs/tiny-cpu.yaml", overrides: list[st
         report_failure(cfg.name, e)
         raise
     if summary.get("nothing_trained"):
-        markdown("Nothing trained", {"why": summary["nothing_trained"], "registered": "nothing"},
-                 key=artifact_key(cfg.name, "pipeline"))
+        markdown(
+            "Nothing trained",
+            {"why": summary["nothing_trained"], "registered": "nothing"},
+            key=artifact_key(cfg.name, "pipeline"),
+        )
         logger.warning(f"nothing trained: {summary['nothing_trained']}")
         flush_logs()
         return Completed(name=NOTHING_TRAINED, message=summary["nothing_trained"], data=summary)
@@ -72,7 +78,11 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
     config = cfg.model_dump(mode="json")
     model = download_model(cfg.model.source, tracking_target(cfg)[0])
     datasets = [download_dataset(s) for s in dict.fromkeys([cfg.data.source, *(d.source for d in cfg.eval.datasets)])]
-    run_name = f"{cfg.name}-{cfg.output_dir.name}" if cfg.output_dir.parent.name == "nightly" else run_label(cfg, flow_run_id, None)
+    run_name = (
+        f"{cfg.name}-{cfg.output_dir.name}"
+        if cfg.output_dir.parent.name == "nightly"
+        else run_label(cfg, flow_run_id, None)
+    )
     run_id = start_tracking(config, model, run_name, flow_run_id, datasets)
     if cfg.checkpoint.start_fresh:
         config = start_fresh(config)
@@ -90,8 +100,15 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
         step = trained["last_rollout_id"] + 1
         if trained["nothing_trained"] and already_registered(cfg, run_id, trained["last_checkpoint"]):
             reason = f"{trained['nothing_trained']}; its policy is already registered"
-            finish_tracking(config, run_id, {}, step=step, tags={"vime.last_attempt": f"nothing trained: {reason}"[:5000]})
-            return {"config": cfg.name, "mlflow_run_id": run_id, "checkpoints": str(cfg.save_dir), "nothing_trained": reason}
+            finish_tracking(
+                config, run_id, {}, step=step, tags={"vime.last_attempt": f"nothing trained: {reason}"[:5000]}
+            )
+            return {
+                "config": cfg.name,
+                "mlflow_run_id": run_id,
+                "checkpoints": str(cfg.save_dir),
+                "nothing_trained": reason,
+            }
         exported = export_hf(config, trained["last_checkpoint"])
         final, registry = {}, {"registered": False, "reason": "no eval dataset: nothing to compare a champion on"}
         if cfg.eval.datasets:
@@ -114,8 +131,6 @@ def already_registered(cfg: RunConfig, run_id: str | None, checkpoint: str) -> b
     from vime_core.tracking import MlflowRun
 
     tags = MlflowRun(*tracking_target(cfg), run_id=run_id).client.get_run(run_id).data.tags
-    from pathlib import Path
-
     registered = tags.get("vime.registered_checkpoint")
     return registered is not None and Path(registered).resolve() == Path(checkpoint).resolve()
 
@@ -128,8 +143,12 @@ def report_failure(config_name: str, e: BaseException) -> None:
     get_run_logger().error(f"pipeline failed: {line}")
     flush_logs()
     try:
-        markdown("Pipeline failed", {"error": line.replace("|", "/")}, key=artifact_key(config_name, "pipeline"),
-                 note="The task that raised it and its traceback are in the flow run's logs.")
+        markdown(
+            "Pipeline failed",
+            {"error": line.replace("|", "/")},
+            key=artifact_key(config_name, "pipeline"),
+            note="The task that raised it and its traceback are in the flow run's logs.",
+        )
     except Exception:  # noqa: BLE001 - the API may be what failed; the log line above is enough then
         pass
 
@@ -142,9 +161,17 @@ def flush_logs() -> None:
     APILogHandler().flush()
 
 
-def pipeline_summary(cfg, trained: dict, final: dict, registry: dict, exported: str, run_id: str | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"config": cfg.name, "mlflow_run_id": run_id, "checkpoints": str(cfg.save_dir), "export": exported,
-                           "resumed_from": trained.get("resumed_from"), "steps trained": trained.get("steps_trained")}
+def pipeline_summary(
+    cfg, trained: dict, final: dict, registry: dict, exported: str, run_id: str | None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "config": cfg.name,
+        "mlflow_run_id": run_id,
+        "checkpoints": str(cfg.save_dir),
+        "export": exported,
+        "resumed_from": trained.get("resumed_from"),
+        "steps trained": trained.get("steps_trained"),
+    }
     for name in (d.name for d in cfg.eval.datasets):
         key = f"eval/{name}/pass@1"
         if key in trained["baseline_eval"]:

@@ -29,8 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", "-s", dest="overrides", action="append", default=[])
     args = parser.parse_args(argv)
     if args.name == "nightly":
-        print("--name nightly would take over the deployment made from infra/prefect.yaml; choose another name",
-              file=sys.stderr)
+        print(
+            "--name nightly would take over the deployment made from infra/prefect.yaml; choose another name",
+            file=sys.stderr,
+        )
         return 2
     grpo_pipeline.serve(
         name=args.name,

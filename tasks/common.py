@@ -15,8 +15,14 @@ RETRY_DELAYS = exponential_backoff(backoff_factor=5)  # 5 s, 10 s, 20 s, ...
 # Hang guards, not estimates: a task past these is stuck (a dead NCCL peer, an engine that stopped answering).
 # The slowest real stages seen: converting a 30B checkpoint and the 30B config's GRPO step take minutes, not hours.
 HOUR = 3600
-TIMEOUTS = {"download": 6 * HOUR, "convert": 4 * HOUR, "export": 4 * HOUR, "evaluate": 4 * HOUR, "register": 2 * HOUR,
-            "tracking": 600}
+TIMEOUTS = {
+    "download": 6 * HOUR,
+    "convert": 4 * HOUR,
+    "export": 4 * HOUR,
+    "evaluate": 4 * HOUR,
+    "register": 2 * HOUR,
+    "tracking": 600,
+}
 TRAIN_TIMEOUT_PER_STEP = HOUR  # the train task gets 1 h + 1 h per rollout step
 
 

@@ -24,15 +24,27 @@ def _cache_key(context: TaskRunContext, params: dict[str, Any]) -> str | None:
     return None
 
 
-@task(name="convert-checkpoint", retries=1, retry_delay_seconds=RETRY_DELAYS, cache_key_fn=_cache_key, persist_result=True,
-      retry_condition_fn=is_transient, timeout_seconds=TIMEOUTS["convert"])
+@task(
+    name="convert-checkpoint",
+    retries=1,
+    retry_delay_seconds=RETRY_DELAYS,
+    cache_key_fn=_cache_key,
+    persist_result=True,
+    retry_condition_fn=is_transient,
+    timeout_seconds=TIMEOUTS["convert"],
+)
 def convert_checkpoint(model: dict[str, Any], output_dir: str, dtype: str) -> str:
     """HF checkpoint -> torch_dist (what the trainer starts from). Returns the checkpoint directory."""
     out = converted_dir(output_dir, model["content_hash"], dtype)
     skipped = is_converted(out, model["content_hash"], dtype)
-    get_run_logger().info(f"conversion HF -> torch_dist of {model['source']}: "
-                          + ("already done (same source hash)" if skipped else f"converting into {out}"))
+    get_run_logger().info(
+        f"conversion HF -> torch_dist of {model['source']}: "
+        + ("already done (same source hash)" if skipped else f"converting into {out}")
+    )
     convert_hf_to_torch_dist(model["path"], out, dtype=dtype, source_hash=model["content_hash"], show_progress=False)
-    markdown("Conversion HF -> torch_dist", {"source": model["source"], "target": str(out), "skipped (same source hash)": skipped},
-             artifact_key("convert", model["content_hash"]))
+    markdown(
+        "Conversion HF -> torch_dist",
+        {"source": model["source"], "target": str(out), "skipped (same source hash)": skipped},
+        artifact_key("convert", model["content_hash"]),
+    )
     return str(out)

@@ -14,10 +14,10 @@ The choice is written to `<run dir>/candidate.json` on the first attempt and rea
 from __future__ import annotations
 
 import json
-import os
 from datetime import datetime, timezone
 
 from vime_core.config import RunConfig, config_from_dict
+from vime_core.fsutil import atomic_write_text
 from vime_core.tracking import alias_version, resolve_tracking_uri
 
 CANDIDATE_FILE = "candidate.json"
@@ -43,11 +43,13 @@ def candidate_config(cfg: RunConfig, flow_run_id: str | None, scheduled: datetim
     else:
         source = champion_source(cfg, uri)
         run_dir.mkdir(parents=True, exist_ok=True)
-        # tmp + rename: a kill mid-write must not leave a torn file that every retry then fails to parse
-        tmp = choice.with_name(f"{CANDIDATE_FILE}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"model_source": source, "base_model_source": cfg.model.source,
-                                   "flow_run_id": flow_run_id}, indent=2))
-        os.replace(tmp, choice)
+        # a kill mid-write must not leave a torn file that every retry then fails to parse
+        atomic_write_text(
+            choice,
+            json.dumps(
+                {"model_source": source, "base_model_source": cfg.model.source, "flow_run_id": flow_run_id}, indent=2
+            ),
+        )
     data = cfg.model_dump(mode="json")
     data["output_dir"] = str(run_dir)
     data["model"]["source"] = source

@@ -15,8 +15,13 @@ from vime_core.sources import weights_digest
 from vime_core.tracking import WEIGHTS_TAG, MlflowRun, register_model as register_version
 
 
-@task(name="export-hf", retries=1, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=is_transient,
-      timeout_seconds=TIMEOUTS["export"])
+@task(
+    name="export-hf",
+    retries=1,
+    retry_delay_seconds=RETRY_DELAYS,
+    retry_condition_fn=is_transient,
+    timeout_seconds=TIMEOUTS["export"],
+)
 def export_hf(config: dict[str, Any], checkpoint_dir: str) -> str:
     """Final training checkpoint (torch_dist) -> HF safetensors + config + tokenizer under output_dir/export.
     An existing export of the same checkpoint is reused (start_fresh moves export/ aside with the checkpoints)."""
@@ -35,10 +40,20 @@ def version_artifact_path(export_dir: Path, digest: str) -> str:
     return f"model/{export_dir.name}-{digest[:16]}"
 
 
-@task(name="register-model", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=is_transient,
-      timeout_seconds=TIMEOUTS["register"])
-def register_model(config: dict[str, Any], export_dir: str, run_id: str | None, metrics: dict[str, float],
-                   checkpoint: str | None = None) -> dict[str, Any]:
+@task(
+    name="register-model",
+    retries=2,
+    retry_delay_seconds=RETRY_DELAYS,
+    retry_condition_fn=is_transient,
+    timeout_seconds=TIMEOUTS["register"],
+)
+def register_model(
+    config: dict[str, Any],
+    export_dir: str,
+    run_id: str | None,
+    metrics: dict[str, float],
+    checkpoint: str | None = None,
+) -> dict[str, Any]:
     """A new model version owning a copy of `export_dir`; `champion` moves only on a strictly better score. The
     run's tag vime.registered_checkpoint lets a re-run see that this checkpoint's policy is registered already."""
     cfg = cfg_of(config)
@@ -50,12 +65,34 @@ def register_model(config: dict[str, Any], export_dir: str, run_id: str | None, 
     digest = weights_digest(Path(export_dir))
     artifact_path = run.log_dir(Path(export_dir), version_artifact_path(Path(export_dir), digest))
     name = registered_name(cfg)
-    info = register_version(uri, name, run_id, artifact_path, metric, metrics[metric],
-                            tags={WEIGHTS_TAG: digest, "vime.export_dir": str(export_dir)},
-                            reuse_tag=WEIGHTS_TAG)  # a retry after create_model_version reuses that version
-    run.set_tags({"vime.registered_model": name, "vime.registered_version": str(info["version"]), "vime.promotion": info["reason"],
-                  "vime.registered_checkpoint": str(checkpoint or export_dir)})
-    markdown("Model registry", {"model": name, "version": info["version"], "champion moved": info["promoted"], "why": info["reason"],
-                                "weights sha256": digest}, artifact_key(cfg.name, "register"))
+    info = register_version(
+        uri,
+        name,
+        run_id,
+        artifact_path,
+        metric,
+        metrics[metric],
+        tags={WEIGHTS_TAG: digest, "vime.export_dir": str(export_dir)},
+        reuse_tag=WEIGHTS_TAG,
+    )  # a retry after create_model_version reuses that version
+    run.set_tags(
+        {
+            "vime.registered_model": name,
+            "vime.registered_version": str(info["version"]),
+            "vime.promotion": info["reason"],
+            "vime.registered_checkpoint": str(checkpoint or export_dir),
+        }
+    )
+    markdown(
+        "Model registry",
+        {
+            "model": name,
+            "version": info["version"],
+            "champion moved": info["promoted"],
+            "why": info["reason"],
+            "weights sha256": digest,
+        },
+        artifact_key(cfg.name, "register"),
+    )
     get_run_logger().info(f"registered {name} v{info['version']}: {info['reason']}")
     return {"registered": True, "name": name, "weights_sha256": digest, **info}

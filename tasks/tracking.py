@@ -45,16 +45,35 @@ def run_id_to_continue(cfg, flow_run_id: str | None = None) -> str | None:
 
 def dataset_inputs(cfg, datasets: list[dict[str, Any]]) -> list[dict[str, str]]:
     by_source = {d["source"]: d["content_hash"] for d in datasets}
-    out = [{"name": "train", "source": cfg.data.source, "digest": by_source.get(cfg.data.source, ""), "context": "training"}]
-    out += [{"name": d.name, "source": d.source, "digest": by_source.get(d.source, ""), "context": "eval"}
-            for d in cfg.eval.datasets]
+    out = [
+        {
+            "name": "train",
+            "source": cfg.data.source,
+            "digest": by_source.get(cfg.data.source, ""),
+            "context": "training",
+        }
+    ]
+    out += [
+        {"name": d.name, "source": d.source, "digest": by_source.get(d.source, ""), "context": "eval"}
+        for d in cfg.eval.datasets
+    ]
     return out
 
 
-@task(name="start-tracking", retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=is_transient,
-      timeout_seconds=TIMEOUTS["tracking"])
-def start_tracking(config: dict[str, Any], model: dict[str, Any], run_name: str | None = None,
-                   flow_run_id: str | None = None, datasets: list[dict[str, Any]] | None = None) -> str | None:
+@task(
+    name="start-tracking",
+    retries=2,
+    retry_delay_seconds=[2, 10],
+    retry_condition_fn=is_transient,
+    timeout_seconds=TIMEOUTS["tracking"],
+)
+def start_tracking(
+    config: dict[str, Any],
+    model: dict[str, Any],
+    run_name: str | None = None,
+    flow_run_id: str | None = None,
+    datasets: list[dict[str, Any]] | None = None,
+) -> str | None:
     """-> MLflow run id (None when tracking is disabled). Params = the flattened config; tags = environment, source,
     the Prefect flow run; inputs = the datasets."""
     cfg = cfg_of(config)
@@ -62,16 +81,25 @@ def start_tracking(config: dict[str, Any], model: dict[str, Any], run_name: str 
         return None
     uri, experiment = tracking_target(cfg)
     tags = environment_tags(detect_platform(cfg.cluster.platform))
-    tags |= {"vime.config": cfg.name, "vime.model.source": model["source"], "vime.model.hash": model["content_hash"],
-             "vime.output_dir": str(cfg.output_dir), "mlflow.source.name": "flows/grpo_pipeline.py",
-             "mlflow.source.type": "JOB"}
+    tags |= {
+        "vime.config": cfg.name,
+        "vime.model.source": model["source"],
+        "vime.model.hash": model["content_hash"],
+        "vime.output_dir": str(cfg.output_dir),
+        "mlflow.source.name": "flows/grpo_pipeline.py",
+        "mlflow.source.type": "JOB",
+    }
     if flow_run_id:
         tags[FLOW_RUN_TAG] = flow_run_id
     continued = run_id_to_continue(cfg, flow_run_id)
-    run = MlflowRun(uri, experiment, run_name=run_name, run_id=continued, tags=tags, artifact_root=artifact_root(cfg, uri))
+    run = MlflowRun(
+        uri, experiment, run_name=run_name, run_id=continued, tags=tags, artifact_root=artifact_root(cfg, uri)
+    )
     changed = run.log_params(safe_params(flatten(cfg)))
     if changed:
-        print(f"continuing MLflow run {run.run_id} with changed settings (tag vime.params_changed): {'; '.join(changed)}")
+        print(
+            f"continuing MLflow run {run.run_id} with changed settings (tag vime.params_changed): {'; '.join(changed)}"
+        )
     if continued and flow_run_id:  # the run keeps the flow run that opened it; this one is the latest to continue it
         run.set_tags({"prefect.last_flow_run_id": flow_run_id})
     run.log_text(dump_config(cfg), "config.yaml")
@@ -80,8 +108,14 @@ def start_tracking(config: dict[str, Any], model: dict[str, Any], run_name: str 
 
 
 @task(name="finish-tracking", timeout_seconds=TIMEOUTS["tracking"])
-def finish_tracking(config: dict[str, Any], run_id: str | None, summary: dict[str, float], status: str = "FINISHED",
-                    step: int = 0, tags: dict[str, str] | None = None) -> None:
+def finish_tracking(
+    config: dict[str, Any],
+    run_id: str | None,
+    summary: dict[str, float],
+    status: str = "FINISHED",
+    step: int = 0,
+    tags: dict[str, str] | None = None,
+) -> None:
     cfg = cfg_of(config)
     if not run_id:
         return

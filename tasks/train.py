@@ -4,6 +4,7 @@ logging into the same MLflow run."""
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -32,8 +33,6 @@ def system_metrics(run_id: str | None, uri: str):
     """MLflow system metrics (CPU, memory, disk, network; GPU with pynvml) every 10 s into the pipeline's run."""
     if not run_id:
         return None
-    import logging
-
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
     logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # 4 INFO lines per attempt: started, stopped
@@ -43,30 +42,46 @@ def system_metrics(run_id: str | None, uri: str):
 
 
 @task(name="train-grpo", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=is_transient)
-def train_grpo(config: dict[str, Any], model: dict[str, Any], init_checkpoint: str | None, mlflow_run_id: str | None,
-               flow_run_id: str | None = None) -> dict[str, Any]:
+def train_grpo(
+    config: dict[str, Any],
+    model: dict[str, Any],
+    init_checkpoint: str | None,
+    mlflow_run_id: str | None,
+    flow_run_id: str | None = None,
+) -> dict[str, Any]:
     cfg = cfg_of(config)
     logger = get_run_logger()
     uri, experiment = tracking_target(cfg)
     tracker = MlflowRun(uri, experiment, run_id=mlflow_run_id) if mlflow_run_id else None
     evals = EvalChildRuns(tracker, experiment, uri) if tracker else None
     sink = MultiSink(tracker, evals, JsonlSink(cfg.output_dir / "metrics.jsonl", append=True))
-    progress = create_progress_artifact(progress=0.0, key=artifact_key(cfg.name, "train-progress"),
-                                        description=f"GRPO rollout steps of {cfg.name}")
+    progress = create_progress_artifact(
+        progress=0.0, key=artifact_key(cfg.name, "train-progress"), description=f"GRPO rollout steps of {cfg.name}"
+    )
     eta: StepProgress | None = None
     monitor = system_metrics(mlflow_run_id, uri)
 
     def on_step(rollout_id: int, metrics: dict[str, float]) -> None:
         nonlocal eta
-        eta = eta or StepProgress(cfg.rollout.num_rollout, start=rollout_id, first_step_seconds=metrics["perf/step_time"])
+        eta = eta or StepProgress(
+            cfg.rollout.num_rollout, start=rollout_id, first_step_seconds=metrics["perf/step_time"]
+        )
         update_progress_artifact(progress, progress=100.0 * (rollout_id + 1) / cfg.rollout.num_rollout)
-        logger.info(f"{eta.text(rollout_id + 1)} | reward {metrics['rollout/raw_reward']:.3f} | logprob_diff "
-                    f"{metrics['train/train_rollout_logprob_abs_diff']:.1e} | step {metrics['perf/step_time']:.2f}s")
+        logger.info(
+            f"{eta.text(rollout_id + 1)} | reward {metrics['rollout/raw_reward']:.3f} | logprob_diff "
+            f"{metrics['train/train_rollout_logprob_abs_diff']:.1e} | step {metrics['perf/step_time']:.2f}s"
+        )
 
     logger.info(f"training {cfg.name}: rollout steps up to {cfg.rollout.num_rollout} in {cfg.output_dir}")
     try:
-        result = run(cfg, sink, on_step=on_step, model_dir=model["path"], init_checkpoint=init_checkpoint,
-                     run_state={"mlflow_run_id": mlflow_run_id, "prefect_flow_run_id": flow_run_id})
+        result = run(
+            cfg,
+            sink,
+            on_step=on_step,
+            model_dir=model["path"],
+            init_checkpoint=init_checkpoint,
+            run_state={"mlflow_run_id": mlflow_run_id, "prefect_flow_run_id": flow_run_id},
+        )
     finally:
         sink.close()
         if monitor:
@@ -88,9 +103,13 @@ def train_grpo(config: dict[str, Any], model: dict[str, Any], init_checkpoint: s
         "num_rollout": cfg.rollout.num_rollout,
     }
     if tracker and result.last_checkpoint and cfg.tracking.log_checkpoints:
-        tracker.log_text(json.dumps({"checkpoint_dir": str(cfg.save_dir), "latest": str(result.last_checkpoint)}, indent=2),
-                         "checkpoints.json")
-    markdown("GRPO training", {k: v for k, v in summary.items() if not isinstance(v, dict)}, artifact_key(cfg.name, "train"))
+        tracker.log_text(
+            json.dumps({"checkpoint_dir": str(cfg.save_dir), "latest": str(result.last_checkpoint)}, indent=2),
+            "checkpoints.json",
+        )
+    markdown(
+        "GRPO training", {k: v for k, v in summary.items() if not isinstance(v, dict)}, artifact_key(cfg.name, "train")
+    )
     return summary
 
 

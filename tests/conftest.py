@@ -10,7 +10,6 @@ import pytest
 
 from vime_core.platform import apply_offline_env
 
-REPO = Path(__file__).resolve().parents[1]
 apply_offline_env()
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -27,10 +26,3 @@ def moe_model_dir() -> Path:
     from vime_core.builtin import builtin_model_path
 
     return builtin_model_path("tiny-qwen3moe-arith")
-
-
-def tiny_config(output_dir: Path, *overrides: str):
-    """configs/tiny-cpu.yaml with its outputs (checkpoints, MLflow store) under `output_dir`."""
-    from vime_core.config import load_config
-
-    return load_config(REPO / "configs" / "tiny-cpu.yaml", [f"output_dir={output_dir}", *overrides])

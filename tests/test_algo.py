@@ -10,7 +10,6 @@ import torch
 from vime_core.algo import (
     aggregate,
     group_advantages,
-    group_reward_std,
     gspo_policy_loss,
     kl_penalty,
     pass_at_k,
@@ -72,11 +71,6 @@ def test_group_advantages_group_of_one_is_zero():
 def test_group_advantages_wrong_size_raises():
     with pytest.raises(ValueError, match="5 rewards do not split into groups of 2"):
         group_advantages(t(1, 0, 0, 1, 1), group_size=2)
-
-
-def test_group_reward_std():
-    assert close(group_reward_std(t(1, 0, 1, 1), 2), [0.70711, 0.0])
-    assert close(group_reward_std(t(1, 0, 1), 1), [0.0, 0.0, 0.0])
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -327,7 +321,9 @@ def test_gspo_masked_sequence_ratio_and_dual_clip():
     _, clipped, ratio = gspo_policy_loss(logp, old, t(1, 1, 1), ids, 1, EPS, EPS_HIGH, mask=t(1, 1, 0))
     assert close(ratio, [1.22140] * 3) and close(clipped, [0.0] * 3)
     # A = -1, sequence ratio 5 > c = 3: the dual clip caps the loss at 3
-    loss, clipped, _ = gspo_policy_loss(t(math.log(5)), t(0), t(-1), torch.tensor([0]), 1, EPS, EPS_HIGH, dual_clip_c=3.0)
+    loss, clipped, _ = gspo_policy_loss(
+        t(math.log(5)), t(0), t(-1), torch.tensor([0]), 1, EPS, EPS_HIGH, dual_clip_c=3.0
+    )
     assert close(loss, [3.0]) and close(clipped, [1.0])
 
 

@@ -7,10 +7,10 @@ Megatron needs torch.distributed and its parallel state: the checks run in one s
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
+from vime_core.ports import free_port
 
 # in-distribution text (random token ids put the fp32 reference itself 8e-5 off an fp64 forward): builtin arith
 # problems in the chat format the tiny models were warmed up on, cut to lengths that make padded varlen groups of two
@@ -23,12 +23,17 @@ TEMPERATURE = 0.7
 def _tiny(model_dir: str, attention: str, recompute: str = "none"):
     from vime_core import megatron_model as mm
     from vime_core.checkpoint import load_hf_state_dict, read_hf_config
-    from vime_core.qwen3_mapping import arch_from_hf_config, hf_to_mcore
+    from vime_core.models import arch_from_hf_config
+    from vime_core.models.qwen3_mapping import hf_to_mcore
 
     arch = arch_from_hf_config(read_hf_config(model_dir))
     # the reference is megatron's own local spec (unfused attention, torch RMSNorm); ours has SDPA and LeanRMSNorm
-    model = mm.build_gpt(arch, mm.transformer_config(arch, "float32", recompute=recompute), attention=attention,
-                         lean_norm=attention != "local")
+    model = mm.build_gpt(
+        arch,
+        mm.transformer_config(arch, "float32", recompute=recompute),
+        attention=attention,
+        lean_norm=attention != "local",
+    )
     mm.load_full_weights(model, hf_to_mcore(load_hf_state_dict(model_dir), arch), arch)
     return model, arch
 
@@ -36,17 +41,20 @@ def _tiny(model_dir: str, attention: str, recompute: str = "none"):
 def _samples(model_dir: str):
     from transformers import AutoTokenizer
 
-    from vime_core.train import TrainSample
+    from vime_core.trainer import TrainSample
 
     from vime_core.builtin import problems, prompt_text, response_text
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     out = []
-    for p, cut, r in zip(problems("train")[:: 97][: len(CUTS)], CUTS, RESPONSE):
+    for p, cut, r in zip(problems("train")[::97][: len(CUTS)], CUTS, RESPONSE):
         text = f"<|im_start|>user\n{prompt_text(p)}<|im_end|>\n<|im_start|>assistant\n{response_text(p)}<|im_end|>\n"
         toks = tok(text)["input_ids"][:cut]
-        out.append(TrainSample(tokens=toks, prompt_len=len(toks) - r, loss_mask=[1] * r, rollout_logprobs=[0.0] * r,
-                               advantage=1.0))
+        out.append(
+            TrainSample(
+                tokens=toks, prompt_len=len(toks) - r, loss_mask=[1] * r, rollout_logprobs=[0.0] * r, advantage=1.0
+            )
+        )
     return out
 
 
@@ -74,7 +82,7 @@ def _reference_logp(model, samples) -> tuple[torch.Tensor, torch.Tensor]:
 def _trainer(chunk: int):
     """A Trainer with just what `_forward` reads (no process group, no optimizer)."""
     from vime_core.config import load_config
-    from vime_core.train import Trainer
+    from vime_core.trainer import Trainer
 
     t = Trainer.__new__(Trainer)
     t.device = torch.device("cpu")
@@ -201,9 +209,9 @@ def _no_cross_sample_attention(trainer, model, samples) -> float:
 
 def _worker(port: int, dense_dir: str, moe_dir: str, q) -> None:
     try:
-        from vime_core.checkpoint import _init_rank
+        from vime_core.checkpoint import init_rank
 
-        _init_rank(0, 1, port, 1, 1, 1)
+        init_rank(0, 1, port, 1, 1, 1)
         q.put(_checks(dense_dir, moe_dir))
     except BaseException:
         import traceback
@@ -215,9 +223,7 @@ def _worker(port: int, dense_dir: str, moe_dir: str, q) -> None:
 def results(dense_model_dir, moe_model_dir) -> dict:
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_worker, args=(port, str(dense_model_dir), str(moe_model_dir), q))
@@ -308,7 +314,9 @@ def eager_compiled_norms(monkeypatch):
     from vime_core import megatron_model as mm
 
     compiled: dict = {}
-    monkeypatch.setattr(mm, "kernel", lambda fn, x: compiled.setdefault(fn, torch.compile(fn, backend="eager", dynamic=True)))
+    monkeypatch.setattr(
+        mm, "kernel", lambda fn, x: compiled.setdefault(fn, torch.compile(fn, backend="eager", dynamic=True))
+    )
     torch._dynamo.reset()
     counters.clear()
     yield counters

@@ -1,4 +1,4 @@
-"""bench/gpu_scale.py: the pure helpers (FLOPs, MFU, medians, packing, overrides, summary) and its CPU dry run."""
+"""bench/gpu_scale.py and gpu_scale_report.py: the pure helpers (FLOPs, MFU, medians, packing, overrides, summary) and its CPU dry run."""
 
 import importlib.util
 import json
@@ -11,45 +11,64 @@ from vime_core.config import load_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def gs():
-    spec = importlib.util.spec_from_file_location("gpu_scale", REPO / "bench" / "gpu_scale.py")
+def load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
+@pytest.fixture(scope="module")
+def gs():
+    """The CLI: argument parsing, config overrides, the dry run."""
+    return load_bench("gpu_scale")
+
+
+@pytest.fixture(scope="module")
+def rp():
+    """The pure report helpers: shapes, FLOPs, MFU, medians, packing, summary and merge."""
+    return load_bench("gpu_scale_report")
+
+
 @pytest.mark.parametrize("shape,billions", [("1.7b", 1.7), ("4b", 4.0), ("8b", 8.2)])
-def test_param_count_matches_public_model_sizes(gs, shape, billions):
-    assert round(gs.param_count(gs.hf_config(shape)) / 1e9, 1) == billions
+def test_param_count_matches_public_model_sizes(rp, shape, billions):
+    assert round(rp.param_count(rp.hf_config(shape)) / 1e9, 1) == billions
 
 
-def test_step_flops_by_hand(gs):
-    c = dict(hidden_size=4, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=2,
-             intermediate_size=8, vocab_size=10, tie_word_embeddings=True)
+def test_step_flops_by_hand(rp):
+    c = dict(
+        hidden_size=4,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=2,
+        intermediate_size=8,
+        vocab_size=10,
+        tie_word_embeddings=True,
+    )
     # layer: q,o 4*2*2*2=32, k,v 4*1*2*2=16, mlp 3*4*8=96, norms 2*4+2*2=12 -> 156; + LM head 10*4 = 196
-    assert gs.matmul_params(c) == 196
+    assert rp.matmul_params(c) == 196
     one_pass = 2 * 196 * 3 + 2 * 1 * 2 * 2 * 3 * 3  # matmuls + causal attention for a 3-token sequence
-    assert gs.step_flops(c, [3], passes=1) == one_pass
-    assert gs.step_flops(c, [3, 3]) == 4 * 2 * one_pass
+    assert rp.step_flops(c, [3], passes=1) == one_pass
+    assert rp.step_flops(c, [3, 3]) == 4 * 2 * one_pass
 
 
-def test_mfu(gs):
-    assert gs.mfu(989e12, 2.0) == pytest.approx(0.5)
-    assert gs.mfu(1e12, 1.0, peak=2e12) == pytest.approx(0.5)
-    assert gs.mfu(1.0, 0.0) is None
+def test_mfu(rp):
+    assert rp.mfu(989e12, 2.0) == pytest.approx(0.5)
+    assert rp.mfu(1e12, 1.0, peak=2e12) == pytest.approx(0.5)
+    assert rp.mfu(1.0, 0.0) is None
 
 
-def test_median_after_first_skips_the_warm_up_step(gs):
-    assert gs.median_after_first([100.0, 1.0, 3.0, 2.0]) == 2.0
-    assert gs.median_after_first([100.0, None, 4.0]) == 4.0
-    assert gs.median_after_first([5.0]) == 5.0
-    assert gs.median_after_first([]) is None
+def test_median_after_first_skips_the_warm_up_step(rp):
+    assert rp.median_after_first([100.0, 1.0, 3.0, 2.0]) == 2.0
+    assert rp.median_after_first([100.0, None, 4.0]) == 4.0
+    assert rp.median_after_first([5.0]) == 5.0
+    assert rp.median_after_first([]) is None
 
 
-def test_pack_respects_the_token_budget(gs):
+def test_pack_respects_the_token_budget(rp):
     lengths = [4136] * 5 + [1064] * 9 + [10000]
-    mbs = gs.pack(lengths, 9216)
+    mbs = rp.pack(lengths, 9216)
     assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths)))
     for mb in mbs:
         assert len(mb) == 1 or len(mb) * max(lengths[i] for i in mb) <= 9216
@@ -57,15 +76,35 @@ def test_pack_respects_the_token_budget(gs):
 
 
 def test_filter_overrides_drops_fields_this_config_lacks(gs):
-    kept, dropped = gs.filter_overrides(["train.lr=2e-6", "eval.datasets=[]", "output_dir=x", "train.no_such_field=1",
-                                         "nosection.x=1", "train.lr.deeper=1"])
+    kept, dropped = gs.filter_overrides(
+        [
+            "train.lr=2e-6",
+            "eval.datasets=[]",
+            "output_dir=x",
+            "train.no_such_field=1",
+            "nosection.x=1",
+            "train.lr.deeper=1",
+        ]
+    )
     assert kept == ["train.lr=2e-6", "eval.datasets=[]", "output_dir=x"]
     assert dropped == ["train.no_such_field=1", "nosection.x=1", "train.lr.deeper=1"]
 
 
 def test_loop_config_is_valid_and_one_optimizer_step_per_rollout(gs, tmp_path):
-    args = gs.parse(["--shape", "1.7b", "--prompts", "16", "--samples", "8", "--response-len", "4096",
-                     "--set", "train.recompute=full"])
+    args = gs.parse(
+        [
+            "--shape",
+            "1.7b",
+            "--prompts",
+            "16",
+            "--samples",
+            "8",
+            "--response-len",
+            "4096",
+            "--set",
+            "train.recompute=full",
+        ]
+    )
     kept, dropped = gs.filter_overrides(gs.loop_overrides(args, tmp_path / "m", tmp_path / "run"))
     cfg = load_config(None, kept)
     assert cfg.num_steps_per_rollout == 1 and cfg.rollout.max_response_len == 4096
@@ -79,53 +118,104 @@ def test_parse_rejects_unknown_phase(gs):
 
 
 def _doc(steps_loop, steps_vllm, steps_hf, trainer_info=None):
-    return {"shape": "1.7b", "prompts": 16, "samples": 8, "response_len": 4096,
-            "phases": {"loop": {"steps": steps_loop, "trainer_info": trainer_info or []},
-                       "vllm": {"steps": steps_vllm}, "hf": {"steps": steps_hf}}}
+    return {
+        "shape": "1.7b",
+        "prompts": 16,
+        "samples": 8,
+        "response_len": 4096,
+        "phases": {
+            "loop": {"steps": steps_loop, "trainer_info": trainer_info or []},
+            "vllm": {"steps": steps_vllm},
+            "hf": {"steps": steps_hf},
+        },
+    }
 
 
-def test_summarize_ratios_and_done_when(gs):
-    loop = [{"perf/tokens_per_gpu_per_sec": 1.0, "perf/actor_train_tok_per_s": 1.0, "perf/update_weights_time": 9.0,
-             "perf/step_time": 9.0, "train/train_rollout_logprob_abs_diff": 1.0, "bench/mfu": 0.9}] + \
-           [{"perf/tokens_per_gpu_per_sec": 9600.0, "perf/actor_train_tok_per_s": 30000.0,
-             "perf/update_weights_time": 0.3, "perf/step_time": 60.0, "train/train_rollout_logprob_abs_diff": 3e-3,
-             "bench/mfu": 0.4}] * 2
-    s = gs.summarize(_doc(loop, [{"tok_s": 1.0}, {"tok_s": 10000.0}], [{"tok_s": 1.0, "peak_gib": 1.0},
-                                                                      {"tok_s": 20000.0, "peak_gib": 48.0}],
-                          trainer_info=[{"max_gpu_mem_gib": 70.0}]))
+def test_summarize_ratios_and_done_when(rp):
+    loop = [
+        {
+            "perf/tokens_per_gpu_per_sec": 1.0,
+            "perf/actor_train_tok_per_s": 1.0,
+            "perf/update_weights_time": 9.0,
+            "perf/step_time": 9.0,
+            "train/train_rollout_logprob_abs_diff": 1.0,
+            "bench/mfu": 0.9,
+        }
+    ] + [
+        {
+            "perf/tokens_per_gpu_per_sec": 9600.0,
+            "perf/actor_train_tok_per_s": 30000.0,
+            "perf/update_weights_time": 0.3,
+            "perf/step_time": 60.0,
+            "train/train_rollout_logprob_abs_diff": 3e-3,
+            "bench/mfu": 0.4,
+        }
+    ] * 2
+    s = rp.summarize(
+        _doc(
+            loop,
+            [{"tok_s": 1.0}, {"tok_s": 10000.0}],
+            [{"tok_s": 1.0, "peak_gib": 1.0}, {"tok_s": 20000.0, "peak_gib": 48.0}],
+            trainer_info=[{"max_gpu_mem_gib": 70.0}],
+        )
+    )
     assert s["ratios"]["trainer_vs_hf_sdpa"] == pytest.approx(1.5)
     assert s["ratios"]["rollout_vs_raw_vllm"] == pytest.approx(0.96)
     assert s["sync_s"] == 0.3 and s["mfu"] == 0.4 and s["trainer_peak_gib"] == 70.0
-    assert s["done_when"] == {"trainer_tok_s >= 1.2 x hf_sdpa_tok_s": True, "trainer_peak_gib <= 60": False,
-                              "rollout_tok_per_gpu_s >= 0.95 x raw_vllm_tok_s": True, "sync_s <= 0.5": True}
+    assert s["done_when"] == {
+        "trainer_tok_s >= 1.2 x hf_sdpa_tok_s": True,
+        "trainer_peak_gib <= 60": False,
+        "rollout_tok_per_gpu_s >= 0.95 x raw_vllm_tok_s": True,
+        "sync_s <= 0.5": True,
+    }
 
 
-def test_summarize_prefers_a_per_step_trainer_peak_and_tolerates_missing_phases(gs):
-    loop = [{"perf/trainer_peak_gib": 90.0, "perf/trainer_logprobs_peak_gib": 20.0},
-            {"perf/trainer_peak_gib": 40.0, "perf/trainer_logprobs_peak_gib": 55.0, "perf/trainer_offloaded_gib": 70.0}]
-    s = gs.summarize(_doc(loop, [], [], trainer_info=[{"max_gpu_mem_gib": 90.0}]))
+def test_summarize_prefers_a_per_step_trainer_peak_and_tolerates_missing_phases(rp):
+    loop = [
+        {"perf/trainer_peak_gib": 90.0, "perf/trainer_logprobs_peak_gib": 20.0},
+        {"perf/trainer_peak_gib": 40.0, "perf/trainer_logprobs_peak_gib": 55.0, "perf/trainer_offloaded_gib": 70.0},
+    ]
+    s = rp.summarize(_doc(loop, [], [], trainer_info=[{"max_gpu_mem_gib": 90.0}]))
     assert s["trainer_peak_gib"] == 55.0  # the step's largest phase peak; the first step and held memory do not count
     assert s["trainer_peak_source"] == "max of perf/trainer_logprobs_peak_gib, perf/trainer_peak_gib"
     assert s["raw_vllm_tok_s"] is None and s["ratios"]["rollout_vs_raw_vllm"] is None
     assert s["done_when"]["trainer_peak_gib <= 60"] is True and s["done_when"]["sync_s <= 0.5"] is None
 
 
-def test_merge_phase_keeps_other_phases_of_the_same_batch_only(gs):
+def test_merge_phase_keeps_other_phases_of_the_same_batch_only(rp):
     hdr = {"shape": "1.7b", "prompts": 16, "samples": 8, "response_len": 4096}
-    doc = gs.merge_phase(None, hdr, "vllm", {"steps": [{"tok_s": 5.0}]})
-    doc = gs.merge_phase(doc, hdr, "hf", {"steps": [{"tok_s": 4.0, "peak_gib": 1.0}]})
+    doc = rp.merge_phase(None, hdr, "vllm", {"steps": [{"tok_s": 5.0}]})
+    doc = rp.merge_phase(doc, hdr, "hf", {"steps": [{"tok_s": 4.0, "peak_gib": 1.0}]})
     assert set(doc["phases"]) == {"vllm", "hf"} and doc["raw_vllm_tok_s"] == 5.0
-    doc = gs.merge_phase(doc, {**hdr, "prompts": 32}, "hf", {"steps": [{"tok_s": 4.0, "peak_gib": 1.0}]})
+    doc = rp.merge_phase(doc, {**hdr, "prompts": 32}, "hf", {"steps": [{"tok_s": 4.0, "peak_gib": 1.0}]})
     assert set(doc["phases"]) == {"hf"} and doc["raw_vllm_tok_s"] is None
-    assert set(gs.summarize(doc)) <= gs.SUMMARY_KEYS  # every summary key is recomputed on a merge
+    assert set(rp.summarize(doc)) <= rp.SUMMARY_KEYS  # every summary key is recomputed on a merge
 
 
-def test_dry_run_writes_a_result_with_the_hf_steps(gs, tmp_path):
+def test_dry_run_writes_a_result_with_the_hf_steps(gs, rp, tmp_path):
     out = tmp_path / "out"
-    assert gs.main(["--dry-run", "--prompts", "2", "--samples", "2", "--response-len", "8", "--steps", "2",
-                    "--out", str(out), "--cache", str(tmp_path / "cache")]) == 0
+    assert (
+        gs.main(
+            [
+                "--dry-run",
+                "--prompts",
+                "2",
+                "--samples",
+                "2",
+                "--response-len",
+                "8",
+                "--steps",
+                "2",
+                "--out",
+                str(out),
+                "--cache",
+                str(tmp_path / "cache"),
+            ]
+        )
+        == 0
+    )
     doc = json.loads((out / "tiny-8.json").read_text())
     hf = doc["phases"]["hf"]["steps"]
     assert len(hf) == 2 and doc["hf_sdpa_tok_s"] == hf[1]["tok_s"] > 0
     assert all(s["tokens"] > 2 * 2 * 8 for s in hf)  # prompt tokens + 8 response tokens per sample
-    assert doc["phases"]["loop"]["skipped"] == "dry run" and doc["params"] == gs.param_count(gs.hf_config("tiny"))
+    assert doc["phases"]["loop"]["skipped"] == "dry run" and doc["params"] == rp.param_count(rp.hf_config("tiny"))

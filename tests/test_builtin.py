@@ -26,10 +26,14 @@ def test_builtin_model_is_a_warmed_up_hf_checkpoint(fixture, request):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert tok.eos_token == "<|im_end|>" and model.generation_config.eos_token_id == tok.eos_token_id
     p = problems("heldout")[0]
-    text = tok.apply_chat_template([{"role": "user", "content": prompt_text(p)}], add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": prompt_text(p)}], add_generation_prompt=True, tokenize=False
+    )
     ids = tok(text, return_tensors="pt", add_special_tokens=False)
-    out = model.generate(**ids, max_new_tokens=48, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    out = model.generate(
+        **ids, max_new_tokens=48, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    answer = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert last_boxed(answer) is not None, answer  # it learned the format: working, then a boxed answer
     assert out[0, -1].item() == tok.eos_token_id
 

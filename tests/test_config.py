@@ -1,4 +1,5 @@
-"""Unit tests of vime_core.config: loading, overrides, validation messages, model checks, fingerprint."""
+"""Unit tests of vime_core.config: loading, overrides, validation messages (model checks: test_config_model_compat.py;
+the resume fingerprint: test_fingerprint.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,7 @@ from pydantic import BaseModel
 
 from vime_core.config import (
     ConfigError,
-    ModelArch,
     RunConfig,
-    check_model_compat,
     flatten,
     load_config,
     parse_override,
@@ -27,12 +26,6 @@ def _error(overrides: list[str], path: str | Path | None = None) -> str:
     with pytest.raises(ConfigError) as ei:
         load_config(path, overrides)
     return str(ei.value)
-
-
-@pytest.fixture
-def arch() -> ModelArch:
-    # the tiny builtin Qwen3: 4 heads, 2 KV heads, 2 layers, vocab 384, dense
-    return ModelArch(model_type="qwen3", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=384)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -244,90 +237,8 @@ def test_all_range_errors_are_reported_together():
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# model compatibility
+# flatten (the fingerprint: tests/test_fingerprint.py)
 # --------------------------------------------------------------------------------------------------------------------
-def test_model_compat_tp4_fails_on_kv_groups(arch):
-    cfg = load_config(None, ["train.num_devices=4", "train.tensor_parallel_size=4"])
-    with pytest.raises(ConfigError) as ei:
-        check_model_compat(cfg, arch)
-    msg = str(ei.value)
-    # 4 heads / TP 4 is fine, 2 KV heads / TP 4 is not
-    assert "attention heads" not in msg
-    assert "train.tensor_parallel_size = 4" in msg
-    assert "KV groups" in msg and "num_key_value_heads" in msg
-    assert "rollout.engine_tensor_parallel_size" not in msg
-
-
-def test_model_compat_engine_tp(arch):
-    cfg = load_config(None, ["rollout.engine_tensor_parallel_size=3"])
-    with pytest.raises(ConfigError, match=r"rollout.engine_tensor_parallel_size = 3 does not divide the model's 4 attention heads"):
-        check_model_compat(cfg, arch)
-
-
-def test_model_compat_pipeline_vs_layers(arch):
-    # 2 layers cannot be split in 4 stages... but 4 devices / PP 4 is fine for the config itself
-    cfg = load_config(None, ["train.num_devices=4", "train.pipeline_parallel_size=4"])
-    with pytest.raises(ConfigError, match=r"train.pipeline_parallel_size = 4 does not divide the model's 2 layers"):
-        check_model_compat(cfg, arch)
-
-
-def test_model_compat_expert_parallel_on_dense_model(arch):
-    cfg = load_config(None, ["train.num_devices=2", "train.expert_parallel_size=2"])
-    with pytest.raises(ConfigError, match=r"train.expert_parallel_size = 2 but the model \(qwen3\) has no experts"):
-        check_model_compat(cfg, arch)
-
-
-def test_model_compat_expert_parallel_not_dividing_experts(arch):
-    moe = arch.model_copy(update={"model_type": "qwen3_moe", "num_experts": 6})
-    cfg = load_config(None, ["train.num_devices=4", "train.expert_parallel_size=4"])
-    with pytest.raises(ConfigError, match=r"train.expert_parallel_size = 4 does not divide the model's 6 experts"):
-        check_model_compat(cfg, moe)
-    # EP 2 divides 6 experts
-    check_model_compat(load_config(None, ["train.num_devices=4", "train.expert_parallel_size=2"]), moe)
-
-
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        [],
-        ["train.num_devices=2", "train.tensor_parallel_size=2"],
-        ["train.num_devices=4", "train.tensor_parallel_size=2", "train.pipeline_parallel_size=2"],
-        ["rollout.engine_tensor_parallel_size=2"],
-    ],
-)
-def test_model_compat_valid_layouts(arch, overrides):
-    check_model_compat(load_config(None, overrides), arch)  # no exception
-
-
-def test_model_arch_from_hf_config():
-    a = ModelArch.from_hf_config({"num_attention_heads": 8, "num_hidden_layers": 3, "vocab_size": 100})
-    assert a.num_key_value_heads == 8  # defaults to the number of heads (MHA)
-    assert a.num_experts == 0 and a.model_type == "?"
-    b = ModelArch.from_hf_config(
-        {"model_type": "qwen3_moe", "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 3, "vocab_size": 100, "num_experts": 4}
-    )
-    assert (b.num_key_value_heads, b.num_experts) == (2, 4)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# fingerprint, flatten
-# --------------------------------------------------------------------------------------------------------------------
-def test_fingerprint_ignores_run_length_and_save_interval():
-    base = load_config(TINY).fingerprint()
-    assert load_config(TINY, ["rollout.num_rollout=500"]).fingerprint() == base
-    assert load_config(TINY, ["checkpoint.save_interval=3"]).fingerprint() == base
-    assert len(base) == 16
-
-
-def test_fingerprint_changes_with_layout_and_algorithm():
-    base = load_config(TINY).fingerprint()
-    tp = load_config(TINY, ["train.num_devices=2", "train.tensor_parallel_size=2"]).fingerprint()
-    # the same num_devices change without TP, so that TP is what the fingerprint sees
-    dev_only = load_config(TINY, ["train.num_devices=2"]).fingerprint()
-    eps = load_config(TINY, ["grpo.eps_clip=0.1"]).fingerprint()
-    assert len({base, tp, dev_only, eps}) == 4
-
-
 def test_flatten_gives_dotted_keys():
     cfg = load_config(TINY)
     flat = flatten(cfg)
@@ -336,10 +247,16 @@ def test_flatten_gives_dotted_keys():
     assert flat["name"] == "tiny-cpu"
     assert flat["output_dir"] == "runs/tiny-cpu"
     assert flat["model.rollout_dtype"] is None
-    assert flat["eval.datasets"] == [{"name": "arith-heldout", "source": "builtin://arith?split=heldout&size=128", "max_prompts": None}]
+    assert flat["eval.datasets"] == [
+        {"name": "arith-heldout", "source": "builtin://arith?split=heldout&size=128", "max_prompts": None}
+    ]
     assert not any(isinstance(v, dict) for v in flat.values())
     # every field of every section appears exactly once
-    n_fields = 3 + sum(len(type(getattr(cfg, s)).model_fields) for s in RunConfig.model_fields if s not in ("name", "seed", "output_dir"))
+    n_fields = 3 + sum(
+        len(type(getattr(cfg, s)).model_fields)
+        for s in RunConfig.model_fields
+        if s not in ("name", "seed", "output_dir")
+    )
     assert len(flat) == n_fields
 
 
@@ -412,15 +329,6 @@ def test_every_field_has_a_description():
     assert {"train.adam_beta1", "train.adam_eps", "eval.datasets.source", "eval.temperature"} <= names
 
 
-def test_model_compat_moe_under_tensor_parallel(arch):
-    """megatron-core raises mid-training for MoE + TP without sequence parallel; we say so before any actor starts."""
-    moe = arch.model_copy(update={"model_type": "qwen3_moe", "num_experts": 4})
-    cfg = load_config(None, ["train.num_devices=2", "train.tensor_parallel_size=2"])
-    with pytest.raises(ConfigError, match=r"train.tensor_parallel_size = 2 with a MoE model.*train.expert_parallel_size"):
-        check_model_compat(cfg, moe)
-    check_model_compat(cfg, arch)  # the dense model is fine at TP 2
-
-
 def test_sequence_parallel_is_refused_with_the_reason():
     msg = _error(["train.num_devices=2", "train.tensor_parallel_size=2", "train.sequence_parallel=true"])
     assert "train.sequence_parallel" in msg and "set it to false" in msg
@@ -430,6 +338,9 @@ def test_distributed_optimizer_needs_optimizer_checkpoints_off():
     msg = _error(["train.num_devices=2", "train.distributed_optimizer=true"])
     assert "checkpoint.save_optimizer = false" in msg
     assert "train.distributed_optimizer needs megatron" in _error(
-        ["train.optimizer=adamw", "train.distributed_optimizer=true", "checkpoint.save_optimizer=false"])
-    cfg = load_config(None, ["train.num_devices=2", "train.distributed_optimizer=true", "checkpoint.save_optimizer=false"])
+        ["train.optimizer=adamw", "train.distributed_optimizer=true", "checkpoint.save_optimizer=false"]
+    )
+    cfg = load_config(
+        None, ["train.num_devices=2", "train.distributed_optimizer=true", "checkpoint.save_optimizer=false"]
+    )
     assert cfg.train.distributed_optimizer

@@ -21,9 +21,17 @@ import torch
 
 from tests.helpers.megatron_ranks import spawn
 from vime_core import checkpoint as ck
-from vime_core.checkpoint import (ConversionError, ModelFileError, convert_hf_to_torch_dist, convert_torch_dist_to_hf,
-                                  load_hf_state_dict, read_torch_dist_tensors)
-from vime_core.qwen3_mapping import CheckpointMismatchError, UnsupportedModelError
+from vime_core.checkpoint import convert as ck_convert
+from vime_core.checkpoint import (
+    ConversionError,
+    ModelFileError,
+    convert_hf_to_torch_dist,
+    convert_torch_dist_to_hf,
+    load_hf_state_dict,
+    read_torch_dist_tensors,
+)
+from vime_core.models import UnsupportedModelError
+from vime_core.models.qwen3_mapping import CheckpointMismatchError
 
 pytestmark = pytest.mark.e2e
 
@@ -59,6 +67,7 @@ def work(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tp1_and_logits(work, dense_model_dir, moe_model_dir) -> tuple[Path, dict[str, torch.Tensor]]:
     """The dense model at TP=1 (one rank process) while this process computes transformers' fp32 logits."""
+
     def logits() -> dict[str, torch.Tensor]:
         from transformers import AutoModelForCausalLM
 
@@ -159,13 +168,19 @@ def max_diff(logits, ref: torch.Tensor) -> float:
 def test_dense_torch_dist_is_the_same_at_every_saved_layout(dense_tp1, dense_tp2, dense_pp2):
     ref = read_torch_dist_tensors(dense_tp1)
     assert "decoder.layers.self_attention.linear_qkv.weight" in ref and "output_layer.weight" in ref
-    for ckpt, layout in ((dense_tp1, dict(tp=1, pp=1, ep=1)), (dense_tp2, dict(tp=2, pp=1, ep=1)), (dense_pp2, dict(tp=1, pp=2, ep=1))):
+    for ckpt, layout in (
+        (dense_tp1, dict(tp=1, pp=1, ep=1)),
+        (dense_tp2, dict(tp=2, pp=1, ep=1)),
+        (dense_pp2, dict(tp=1, pp=2, ep=1)),
+    ):
         got = read_torch_dist_tensors(ckpt)
         assert sorted(got) == sorted(ref), ckpt.name
         assert all(torch.equal(got[k], ref[k]) for k in ref), ckpt.name
         meta = ck.converted_meta(ckpt)
         assert meta["saved_layout"] == layout and meta["dtype"] == "float32"
-        assert (ckpt / ck.HF_CONFIG_DIR / "config.json").is_file() and (ckpt / ck.HF_CONFIG_DIR / "tokenizer.json").is_file()
+        assert (ckpt / ck.HF_CONFIG_DIR / "config.json").is_file() and (
+            ckpt / ck.HF_CONFIG_DIR / "tokenizer.json"
+        ).is_file()
 
 
 def test_dense_back_to_hf_is_exact(cli_back, dense_model_dir):
@@ -223,7 +238,7 @@ def no_spawn(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("a process was spawned")
 
-    monkeypatch.setattr(ck, "_spawn", refuse)
+    monkeypatch.setattr(ck_convert, "_spawn", refuse)
 
 
 def test_same_source_twice_is_skipped(dense_tp1, dense_model_dir, no_spawn):
@@ -249,11 +264,23 @@ def _bad_copy(src: Path, dst: Path, edit_tensors=None, edit_config=None) -> Path
     return dst
 
 
-@pytest.mark.parametrize("edit, named", [
-    (lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"), "missing 1 tensor(s): model.layers.1.self_attn.k_norm.weight"),
-    (lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}), "unexpected 1 tensor(s): model.layers.0.mlp.extra.weight"),
-    (lambda t: t.update({"model.layers.0.self_attn.o_proj.weight": torch.zeros(128, 64)}), "model.layers.0.self_attn.o_proj.weight has shape (128, 64)"),
-])
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (
+            lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"),
+            "missing 1 tensor(s): model.layers.1.self_attn.k_norm.weight",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}),
+            "unexpected 1 tensor(s): model.layers.0.mlp.extra.weight",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.o_proj.weight": torch.zeros(128, 64)}),
+            "model.layers.0.self_attn.o_proj.weight has shape (128, 64)",
+        ),
+    ],
+)
 def test_tensors_that_do_not_match_the_config_are_named(tmp_path, dense_model_dir, no_spawn, edit, named):
     src = _bad_copy(dense_model_dir, tmp_path / "bad", edit_tensors=edit)
     with pytest.raises(CheckpointMismatchError) as e:
@@ -262,12 +289,20 @@ def test_tensors_that_do_not_match_the_config_are_named(tmp_path, dense_model_di
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("edit, named", [
-    (lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}), "rope_scaling.rope_type = 'yarn'"),
-    (lambda c: c.update(model_type="llama"), "is not a Qwen3/Qwen3-MoE checkpoint (model_type llama)"),
-    (lambda c: c.update(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
-    (lambda c: c.pop("hidden_size"), "lacks hidden_size"),
-])
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        (
+            lambda c: c.update(
+                rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+            ),
+            "rope_scaling.rope_type = 'yarn'",
+        ),
+        (lambda c: c.update(model_type="llama"), "is not a Qwen3/Qwen3-MoE checkpoint (model_type llama)"),
+        (lambda c: c.update(use_sliding_window=True, sliding_window=64), "use_sliding_window"),
+        (lambda c: c.pop("hidden_size"), "lacks hidden_size"),
+    ],
+)
 def test_unsupported_configs_are_named(tmp_path, dense_model_dir, no_spawn, edit, named):
     src = _bad_copy(dense_model_dir, tmp_path / "bad", edit_config=edit)
     with pytest.raises(UnsupportedModelError) as e:
@@ -283,13 +318,19 @@ def test_directory_without_safetensors(tmp_path, dense_model_dir, no_spawn):
         _convert(src, tmp_path / "out")
 
 
-@pytest.mark.parametrize("model, layout, named", [
-    ("dense", dict(tp=3), "tp = 3 must divide the 4 attention heads"),
-    ("dense", dict(ep=2), "ep = 2 needs an MoE model"),
-    ("moe", dict(ep=3), "ep = 3 needs an MoE model whose expert count it divides"),
-    ("dense", dict(pp=0), "must be at least 1"),
-])
-def test_impossible_layouts_fail_before_spawning(tmp_path, dense_model_dir, moe_model_dir, no_spawn, model, layout, named):
+@pytest.mark.parametrize(
+    "model, layout, named",
+    [
+        ("dense", dict(tp=3), "tp = 3 does not divide the model's 4 attention heads; use a tp that divides 4"),
+        ("dense", dict(ep=2), "ep = 2 but the model (qwen3) has no experts"),
+        ("moe", dict(ep=3), "ep = 3 does not divide the model's 4 experts"),
+        ("dense", dict(tp=4), "tp = 4 does not divide the model's 2 KV groups"),  # the config-time check's too
+        ("dense", dict(pp=0), "must be at least 1"),
+    ],
+)
+def test_impossible_layouts_fail_before_spawning(
+    tmp_path, dense_model_dir, moe_model_dir, no_spawn, model, layout, named
+):
     start = time.monotonic()
     with pytest.raises(ConversionError) as e:
         _convert(dense_model_dir if model == "dense" else moe_model_dir, tmp_path / "out", **layout)
@@ -327,10 +368,14 @@ def test_cli_hf_to_megatron(cli_tp2):
 def test_cli_errors_are_one_line(tmp_path):
     cases = {  # run side by side: each CLI start costs ~4 s of imports
         "/nonexistent": ("hf-to-megatron", "/nonexistent", "X"),
-        "tp = 3 must divide": ("hf-to-megatron", "builtin://tiny-qwen3-arith", "X", "--tp", "3"),
+        "tp = 3 does not divide": ("hf-to-megatron", "builtin://tiny-qwen3-arith", "X", "--tp", "3"),
     }
-    procs = {named: subprocess.Popen([VIME, "convert", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, cwd=tmp_path) for named, args in cases.items()}
+    procs = {
+        named: subprocess.Popen(
+            [VIME, "convert", *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path
+        )
+        for named, args in cases.items()
+    }
     for named, proc in procs.items():
         _, stderr = proc.communicate(timeout=120)
         lines = stderr.strip().splitlines()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.tiny import REPO
 
 pytestmark = pytest.mark.e2e
 
@@ -25,12 +25,31 @@ STEPS, BATCH, SAVE_EVERY = 6, 16, 2
 VIME = Path(sys.executable).parent / "vime"
 
 
-def start_train(out: Path, log: Path, extra_env: dict | None = None) -> subprocess.Popen:
-    args = [str(VIME), "train", "--config", "configs/tiny-cpu.yaml", "--metrics-out", str(out / "metrics.jsonl"),
-            "--set", f"output_dir={out}", "--set", f"rollout.num_rollout={STEPS}", "--set", f"checkpoint.save_interval={SAVE_EVERY}",
-            "--set", "checkpoint.keep_last=10", "--set", "eval.datasets=[]"]
-    return subprocess.Popen(args, cwd=REPO, env={**os.environ, **(extra_env or {})}, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+def start_train(out: Path, log: Path, slow_commit: bool = False) -> subprocess.Popen:
+    """`vime train` in its own process group; `slow_commit`: each checkpoint commit waits 4 s first (a test-only
+    wrapper of the CLI, tests/helpers/slow_checkpoint.py), which widens the window for a kill inside a write."""
+    cli = [sys.executable, "-m", "tests.helpers.slow_checkpoint"] if slow_commit else [str(VIME)]
+    args = [
+        *cli,
+        "train",
+        "--config",
+        "configs/tiny-cpu.yaml",
+        "--metrics-out",
+        str(out / "metrics.jsonl"),
+        "--set",
+        f"output_dir={out}",
+        "--set",
+        f"rollout.num_rollout={STEPS}",
+        "--set",
+        f"checkpoint.save_interval={SAVE_EVERY}",
+        "--set",
+        "checkpoint.keep_last=10",
+        "--set",
+        "eval.datasets=[]",
+    ]
+    return subprocess.Popen(
+        args, cwd=REPO, env=os.environ.copy(), stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def ledger(out: Path) -> list[dict]:
@@ -94,9 +113,19 @@ def test_sigkill_anywhere_then_resume(tmp_path, dense_model_dir):
     ckpt = Checkpointer(save_dir)
     log2 = tmp_path / "attempt2.log"
     stale = set(save_dir.glob("iter_*.tmp-*"))  # attempt 1 may itself have died inside a write
-    p = start_train(out, log2, {"VIME_TEST_CHECKPOINT_DELAY_S": "4"})
-    wait_for(lambda: ckpt.latest() is not None and any(
-        d not in stale and (d / "model").exists() and d.name > ckpt.latest().name for d in save_dir.glob("iter_*.tmp-*")), 600, p, log2)
+    p = start_train(out, log2, slow_commit=True)
+    wait_for(
+        lambda: (
+            ckpt.latest() is not None
+            and any(
+                d not in stale and (d / "model").exists() and d.name > ckpt.latest().name
+                for d in save_dir.glob("iter_*.tmp-*")
+            )
+        ),
+        600,
+        p,
+        log2,
+    )
     time.sleep(rng.uniform(0.5, 3.0))
     torn = next(d for d in save_dir.glob("iter_*.tmp-*") if d not in stale)
     kill_group(p)
@@ -138,7 +167,7 @@ def test_sigkill_anywhere_then_resume(tmp_path, dense_model_dir):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 0 and rows[-1]["step"] == STEPS - 1
     assert sorted({r["step"] for r in rows}) == list(range(STEPS))
-    last_attempt = [r["step"] for r in rows][-(STEPS - resumes[2]):]
+    last_attempt = [r["step"] for r in rows][-(STEPS - resumes[2]) :]
     assert last_attempt == list(range(resumes[2], STEPS))
     # every checkpoint left is intact by its manifest
     assert all(not Checkpointer.problems(c) for c in ckpt.complete())

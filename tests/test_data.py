@@ -41,7 +41,12 @@ def _jsonl(path: Path, rows: list) -> Path:
 def test_load_jsonl_chat_and_text_prompts(tmp_path, tok, cfg):
     f = _jsonl(
         tmp_path / "d.jsonl",
-        [GOOD_CHAT, GOOD_TEXT, {"prompt": "Half of 5?", "label": 2.5, "metadata": {"src": "x"}}, {"prompt": "Two?", "label": 2.0}],
+        [
+            GOOD_CHAT,
+            GOOD_TEXT,
+            {"prompt": "Half of 5?", "label": 2.5, "metadata": {"src": "x"}},
+            {"prompt": "Two?", "label": 2.0},
+        ],
     )
     ps = load_prompts(str(f), tok, cfg)
     assert len(ps) == 4 and ps.skipped == 0 and ps.source == str(f)
@@ -54,7 +59,12 @@ def test_load_jsonl_chat_and_text_prompts(tmp_path, tok, cfg):
     assert ps.prompts[0].prompt_ids == tok(ps.prompts[0].prompt, add_special_tokens=False)["input_ids"]
     assert ps.prompts[2].metadata == {"src": "x"}
     s = ps.prompts[2].template(group_id=7)
-    assert (s.group_id, s.label, s.prompt_ids, s.metadata) == (7, "2.5", ps.prompts[2].prompt_ids, {"src": "x", "index": 2})
+    assert (s.group_id, s.label, s.prompt_ids, s.metadata) == (
+        7,
+        "2.5",
+        ps.prompts[2].prompt_ids,
+        {"src": "x", "index": 2},
+    )
 
 
 def test_load_without_chat_template(tmp_path, tok):
@@ -127,7 +137,10 @@ BAD_ROWS = {
     "label bool": ({"prompt": "What?", "label": True}, "label True is not an answer"),
     "empty label": ({"prompt": "What?", "label": "  "}, "label is empty"),
     "empty prompt": ({"prompt": " ", "label": "1"}, "prompt is empty"),
-    "bad message": ({"prompt": [{"role": "user"}], "label": "1"}, "prompt message 0 must be an object with 'role' and 'content'"),
+    "bad message": (
+        {"prompt": [{"role": "user"}], "label": "1"},
+        "prompt message 0 must be an object with 'role' and 'content'",
+    ),
     "row not an object": ([1, 2], "row must be an object, got list"),
     "too long": ({"prompt": LONG_PROMPT, "label": "1"}, "tokens, more than data.max_prompt_len = 64"),
 }
@@ -303,32 +316,20 @@ def test_buffer_without_shuffle():
     assert _indices(buf.next_batch(7)) == [0, 1, 2, 3, 4, 0, 1]
 
 
-def test_buffer_injected_prompts_come_first():
-    buf = DataBuffer(_prompt_set(10), seed=5)
-    order = buf._order_for(0)
-    extra = [Prompt(index=100 + i, prompt_ids=[9], prompt=f"x{i}", label="0") for i in range(2)]
-    buf.inject(extra)
-    assert _indices(buf.next_batch(3)) == [100, 101, order[0]]
-    assert buf.offset == 1  # only one prompt came from the epoch
-    assert _indices(buf.next_batch(2)) == order[1:3]
-
-
 def test_buffer_state_round_trip_continues_exactly():
     uninterrupted = DataBuffer(_prompt_set(10), seed=11)
     resumed_from = DataBuffer(_prompt_set(10), seed=11)
     for buf in (uninterrupted, resumed_from):
         buf.next_batch(4)
         buf.next_batch(4)
-        buf.inject([Prompt(index=99, prompt_ids=[1, 2], prompt="inj", label="7", metadata={"k": 1})])
     state = json.loads(json.dumps(resumed_from.state_dict()))  # as saved with a checkpoint
-    assert state["epoch"] == 0 and state["offset"] == 8 and state["num_prompts"] == 10
+    assert state == {"epoch": 0, "offset": 8, "seed": 11, "num_prompts": 10}
     fresh = DataBuffer(_prompt_set(10), seed=999)  # the seed comes from the state
     fresh.load_state_dict(state)
     expected = [uninterrupted.next_batch(4) for _ in range(4)]  # crosses into epochs 1 and 2
     got = [fresh.next_batch(4) for _ in range(4)]
     assert [_indices(b) for b in got] == [_indices(b) for b in expected]
-    assert got[0][0] == expected[0][0]  # the injected prompt, field for field
-    assert got[0][0].metadata == {"k": 1}
+    assert got[0][0] == expected[0][0]  # the same prompt, field for field
     assert fresh.epoch == uninterrupted.epoch and fresh.offset == uninterrupted.offset
 
 

@@ -11,7 +11,7 @@ import statistics
 
 import pytest
 
-from tests.conftest import tiny_config
+from tests.helpers.tiny import tiny_config
 from vime_core.tracking import PERF_METRICS, ROLLOUT_METRICS, TRAIN_METRICS, MemorySink
 
 pytestmark = pytest.mark.e2e
@@ -25,7 +25,9 @@ def dense_run(tmp_path_factory, dense_model_dir):
     from vime_core.loop import run
 
     out = tmp_path_factory.mktemp("dense")
-    cfg = tiny_config(out, f"rollout.num_rollout={DENSE_STEPS}", "checkpoint.save_interval=10", "checkpoint.keep_last=3")
+    cfg = tiny_config(
+        out, f"rollout.num_rollout={DENSE_STEPS}", "checkpoint.save_interval=10", "checkpoint.keep_last=3"
+    )
     sink = MemorySink()
     result = run(cfg, sink)
     return cfg, sink, result
@@ -37,14 +39,27 @@ def moe_run(tmp_path_factory, moe_model_dir):
 
     out = tmp_path_factory.mktemp("moe")
     # this run also goes through the custom generate hook (one policy turn + a masked "tool" token)
-    cfg = tiny_config(out, "model.source=builtin://tiny-qwen3moe-arith", "rollout.num_rollout=3", "eval.datasets=[]",
-                      "rollout.custom_generate=tests.helpers.custom_generate:with_tool_suffix")
+    cfg = tiny_config(
+        out,
+        "model.source=builtin://tiny-qwen3moe-arith",
+        "rollout.num_rollout=3",
+        "eval.datasets=[]",
+        "rollout.custom_generate=tests.helpers.custom_generate:with_tool_suffix",
+    )
     sink = MemorySink()
     return cfg, sink, run(cfg, sink)
 
 
 def step_rows(sink: MemorySink) -> list[dict]:
     return [r for r in sink.rows if "rollout/raw_reward" in r]
+
+
+def assert_weights_moved(result) -> None:
+    """The weights checksum (a float32 sum over every parameter) changed by more than its rounding: `end != start`
+    alone passes on a last-bit difference of the summation order (the ulp of a ~16,700 sum is 0.002; the TP=2 run's
+    3 steps move it by 0.48, the dense run's by more)."""
+    start, end = result.weights_checksum
+    assert abs(end - start) > 0.05, f"training did not change the weights ({start} -> {end})"
 
 
 def test_every_step_logs_vime_metrics(dense_run):
@@ -64,8 +79,7 @@ def test_rollout_and_trainer_logprobs_agree_after_syncs(dense_run):
     _, sink, result = dense_run
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in step_rows(sink)]
     assert max(diffs) < 1e-3, diffs
-    start, end = result.weights_checksum
-    assert abs(end - start) > 1e-3 * abs(start) or abs(end - start) > 0.5, "training did not change the weights"
+    assert_weights_moved(result)
 
 
 def test_moe_logprobs_agree_after_syncs(moe_run):
@@ -73,10 +87,9 @@ def test_moe_logprobs_agree_after_syncs(moe_run):
     rows = step_rows(sink)
     diffs = [r["train/train_rollout_logprob_abs_diff"] for r in rows]
     assert len(diffs) == 3 and max(diffs) < 1e-3, diffs
-    start, end = result.weights_checksum
-    assert end != start
-    # the hook's extra token made every response one token longer than the policy's own turn
-    assert all(r["rollout/response_len/mean"] > 1 for r in rows)
+    assert_weights_moved(result)
+    # every response is the policy's turn (at least one token) plus the hook's one masked token
+    assert all(r["rollout/response_len/mean"] >= 2 for r in rows)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +97,9 @@ def tp2_run(tmp_path_factory, dense_model_dir):
     from vime_core.loop import run
 
     out = tmp_path_factory.mktemp("tp2")
-    cfg = tiny_config(out, "train.num_devices=2", "train.tensor_parallel_size=2", "rollout.num_rollout=2", "eval.datasets=[]")
+    cfg = tiny_config(
+        out, "train.num_devices=2", "train.tensor_parallel_size=2", "rollout.num_rollout=2", "eval.datasets=[]"
+    )
     sink = MemorySink()
     return cfg, sink, run(cfg, sink)
 
@@ -97,8 +112,7 @@ def test_tensor_parallel_trainer_matches_rollout(tp2_run):
     assert len(result.trainer_info) == 2
     assert max(r["train/train_rollout_logprob_abs_diff"] for r in rows) < 1e-3
     assert all(r["train/grad_norm"] > 0 for r in rows)
-    start, end = result.weights_checksum
-    assert end != start
+    assert_weights_moved(result)
 
 
 def test_tensor_parallel_trains_like_one_rank(tp2_run, dense_run):
@@ -134,7 +148,9 @@ def test_exact_resume_matches_uninterrupted_run(dense_run, tmp_path):
     cfg, sink, result = dense_run
     src = cfg.save_dir / iter_name(RESUME_FROM)
     assert src.is_dir(), f"reference run kept no {src.name}"
-    resumed_cfg = tiny_config(tmp_path, f"rollout.num_rollout={DENSE_STEPS}", "checkpoint.save_interval=10", "eval.datasets=[]")
+    resumed_cfg = tiny_config(
+        tmp_path, f"rollout.num_rollout={DENSE_STEPS}", "checkpoint.save_interval=10", "eval.datasets=[]"
+    )
     resumed_cfg.save_dir.mkdir(parents=True)
     shutil.copytree(src, resumed_cfg.save_dir / src.name)
     (resumed_cfg.save_dir / LATEST).write_text(src.name)

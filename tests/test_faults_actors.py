@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.conftest import tiny_config
+from tests.helpers.tiny import tiny_config
 from vime_core.errors import ActorTimeoutError
 
 pytestmark = pytest.mark.e2e  # starts Ray: serialise with the other heavy tests
@@ -77,17 +77,22 @@ def test_a_hung_engine_during_a_weight_sync_names_sync_timeout(local_ray):
 
 
 def test_a_hung_trainer_rank_is_named(local_ray, tmp_path):
-    from vime_core.train import TrainerGroup
+    from vime_core.trainer import TrainerGroup
 
     group = TrainerGroup(actors(0.0, 60.0), tiny_config(tmp_path, "train.timeout_s=10"))
-    with pytest.raises(ActorTimeoutError, match=r"^trainer rank 1 did not finish save_checkpoint within 10 s \(train.timeout_s\)"):
+    with pytest.raises(
+        ActorTimeoutError, match=r"^trainer rank 1 did not finish save_checkpoint within 10 s \(train.timeout_s\)"
+    ):
         group.save_checkpoint(str(tmp_path))
     with pytest.raises(ActorTimeoutError, match=r"^trainer rank 1 did not finish train within 1 s \(train.timeout_s\)"):
         group.call_all("train", 7, [], timeout_s=1)
 
 
 def test_calls_that_answer_in_time_are_unaffected(local_ray):
-    from vime_core.cluster import gather
+    from vime_core.rpc import gather
 
     a = actors(0.0, 0.0)
-    assert gather([x.generate.remote([1, 2], None) for x in a], ["a", "b"], "generate", 30, "rollout.timeout_s") == [[[], []], [[], []]]
+    assert gather([x.generate.remote([1, 2], None) for x in a], ["a", "b"], "generate", 30, "rollout.timeout_s") == [
+        [[], []],
+        [[], []],
+    ]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_config
+from tests.helpers.tiny import tiny_config
 from vime_core.checkpoint import Checkpointer, ResumeError, iter_name
 from vime_core.errors import DiskSpaceError
 from vime_core.integrity import MANIFEST
@@ -44,15 +44,27 @@ def flip_a_byte(p: Path) -> None:
     p.write_bytes(bytes(b))
 
 
-@pytest.mark.parametrize("damage, named", [
-    (lambda d: truncate(d / "model" / "__0_0.distcp"), "model/__0_0.distcp has 100 bytes, 4,096 were written"),
-    (lambda d: truncate(d / "optimizer" / "rank_00000.pt"), "optimizer/rank_00000.pt has 100 bytes"),
-    (lambda d: flip_a_byte(d / "optimizer" / "rank_00000.pt"), "optimizer/rank_00000.pt is damaged (checksum mismatch)"),
-    (lambda d: (d / "state.json").write_text('{"rollout_id": 3, "data_bu'), "state.json is unreadable (JSONDecodeError)"),
-    (lambda d: (d / "state.json").write_bytes(b"\xff\xfe\x00garbage"), "state.json is unreadable (UnicodeDecodeError)"),
-    (lambda d: [p.unlink() for p in (d / "rng").iterdir()] and (d / "rng").rmdir(), "rng/rank_00000.pt is missing"),
-    (lambda d: (d / MANIFEST).write_text("{not json"), "manifest.json is unreadable"),
-])
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        (lambda d: truncate(d / "model" / "__0_0.distcp"), "model/__0_0.distcp has 100 bytes, 4,096 were written"),
+        (lambda d: truncate(d / "optimizer" / "rank_00000.pt"), "optimizer/rank_00000.pt has 100 bytes"),
+        (
+            lambda d: flip_a_byte(d / "optimizer" / "rank_00000.pt"),
+            "optimizer/rank_00000.pt is damaged (checksum mismatch)",
+        ),
+        (
+            lambda d: (d / "state.json").write_text('{"rollout_id": 3, "data_bu'),
+            "state.json is unreadable (JSONDecodeError)",
+        ),
+        (
+            lambda d: (d / "state.json").write_bytes(b"\xff\xfe\x00garbage"),
+            "state.json is unreadable (UnicodeDecodeError)",
+        ),
+        (lambda d: [p.unlink() for p in (d / "rng").iterdir()] and (d / "rng").rmdir(), "rng/rank_00000.pt is missing"),
+        (lambda d: (d / MANIFEST).write_text("{not json"), "manifest.json is unreadable"),
+    ],
+)
 def test_a_damaged_latest_checkpoint_falls_back_to_the_intact_one(two_checkpoints, caplog, damage, named):
     ckpt = two_checkpoints
     damage(ckpt.dir / iter_name(3))
@@ -155,7 +167,12 @@ def test_every_file_is_fsynced_before_the_rename(tmp_path, monkeypatch):
     assert events == ["rename"]
     assert str(ckpt.dir.resolve()) in synced, "the save dir is fsynced after the rename"
     assert set(json.loads((final / MANIFEST).read_text())["files"]) == {
-        "model/__0_0.distcp", "model/.metadata", "optimizer/rank_00000.pt", "rng/rank_00000.pt", "state.json"}
+        "model/__0_0.distcp",
+        "model/.metadata",
+        "optimizer/rank_00000.pt",
+        "rng/rank_00000.pt",
+        "state.json",
+    }
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -207,7 +224,11 @@ def test_torch_unexpected_pos_becomes_no_space_left_with_the_path(tmp_path):
         with ckpt.writing(tmp):
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1234 vs 1100")
     msg = str(e.value)
-    assert msg.startswith("No space left on device") and str(ckpt.dir) in msg and "MiB (the size of the last checkpoint)" in msg
+    assert (
+        msg.startswith("No space left on device")
+        and str(ckpt.dir) in msg
+        and "MiB (the size of the last checkpoint)" in msg
+    )
     assert not tmp.exists(), "the torn save is removed to give the space back"
     assert ckpt.latest() == ckpt.dir / iter_name(0)
 

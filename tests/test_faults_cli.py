@@ -7,15 +7,18 @@ import json
 
 import pytest
 
-from tests.conftest import tiny_config
+from tests.helpers.tiny import tiny_config
 from vime_core.checkpoint import Checkpointer
 from vime_core.cli import metrics_file_sink, tracking_sink
 
 
 def fake_checkpoint(cfg, rollout_id: int, run_state: dict | None = None) -> None:
     ckpt = Checkpointer(cfg.save_dir)
-    ckpt.commit(ckpt.begin(rollout_id), rollout_id, {"fingerprint_fields": cfg.fingerprint_fields(), "data_buffer": {},
-                                                     "run_state": run_state or {}})
+    ckpt.commit(
+        ckpt.begin(rollout_id),
+        rollout_id,
+        {"fingerprint_fields": cfg.fingerprint_fields(), "data_buffer": {}, "run_state": run_state or {}},
+    )
 
 
 def rows(path) -> list[dict]:
@@ -86,13 +89,19 @@ def test_an_actor_error_is_printed_as_its_cause_in_one_line(capsys):
 
     class RayTaskErrorLike(RuntimeError):
         def __init__(self, cause):
-            super().__init__(f"ray::Trainer.save_checkpoint() (pid=1, ip=127.0.0.1)\nTraceback (most recent call last):\n  ...\n{cause}")
+            super().__init__(
+                f"ray::Trainer.save_checkpoint() (pid=1, ip=127.0.0.1)\nTraceback (most recent call last):\n  ...\n{cause}"
+            )
             self.cause = cause
 
-    wrapped = RayTaskErrorLike(DiskSpaceError("No space left on device while saving a checkpoint in /x: ...\nsecond line"))
+    wrapped = RayTaskErrorLike(
+        DiskSpaceError("No space left on device while saving a checkpoint in /x: ...\nsecond line")
+    )
     assert user_error_exit(wrapped, debug=False) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("DiskSpaceError: No space left on device while saving a checkpoint in /x")
+    assert len(err) == 1 and err[0].startswith(
+        "DiskSpaceError: No space left on device while saving a checkpoint in /x"
+    )
     assert user_error_exit(wrapped, debug=True) is None, "--debug: the traceback instead"
     assert user_error_exit(RuntimeError("a bug"), debug=False) is None, "not a project error: the traceback"
     assert is_disk_full(RayTaskErrorLike(OSError(28, "No space left on device")))

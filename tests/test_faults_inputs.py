@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, tiny_config
+from tests.helpers.tiny import REPO, tiny_config
 from vime_core.errors import VimeError
 
 VIME = Path(sys.executable).parent / "vime"
@@ -28,7 +28,7 @@ def model_copy(tmp_path, dense_model_dir) -> Path:
 def prepare_error(cfg, model_dir=None) -> VimeError:
     import ray
 
-    from vime_core.loop import prepare
+    from vime_core.prepare import prepare
 
     with pytest.raises(VimeError) as e:
         prepare(cfg, model_dir)
@@ -37,11 +37,23 @@ def prepare_error(cfg, model_dir=None) -> VimeError:
 
 
 def test_a_gpt2_config_is_one_line_naming_the_model(tmp_path, model_copy):
-    (model_copy / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2,
-                                                         "vocab_size": 384, "architectures": ["GPT2LMHeadModel"]}))
+    (model_copy / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "n_embd": 64,
+                "n_head": 4,
+                "n_layer": 2,
+                "vocab_size": 384,
+                "architectures": ["GPT2LMHeadModel"],
+            }
+        )
+    )
     e = prepare_error(tiny_config(tmp_path), model_copy)
-    assert str(e) == (f"model {model_copy} is not a Qwen3/Qwen3-MoE checkpoint (model_type gpt2); vime-flow trains "
-                      "model_type qwen3 and qwen3_moe only")
+    assert str(e) == (
+        f"model {model_copy} is not a Qwen3/Qwen3-MoE checkpoint (model_type gpt2); vime-flow trains "
+        "model_type qwen3 and qwen3_moe only"
+    )
 
 
 def test_a_config_json_that_is_not_json_is_named(tmp_path, model_copy):
@@ -80,8 +92,9 @@ def test_a_corrupt_weights_header_is_found_in_prepare(tmp_path, model_copy):
 
 def test_a_missing_shard_is_named(tmp_path, model_copy):
     (model_copy / "model.safetensors").rename(model_copy / "model-00001-of-00002.safetensors")
-    (model_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (model_copy / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
     e = prepare_error(tiny_config(tmp_path), model_copy)
     assert "model-00002-of-00002.safetensors" in str(e) and "missing" in str(e)
 
@@ -130,15 +143,31 @@ def test_eval_dataset_errors_name_the_eval_set(tmp_path):
 # the CLIs: one line, exit 2; --debug shows the traceback
 # --------------------------------------------------------------------------------------------------------------------
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(a) for a in args], capture_output=True, text=True, cwd=cwd, timeout=300,
-                          env={**os.environ, "VIME_DEBUG": ""})
+    return subprocess.run(
+        [str(a) for a in args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+        env={**os.environ, "VIME_DEBUG": ""},
+    )
 
 
 def test_vime_train_user_errors_are_one_line_and_exit_2(tmp_path, model_copy):
     w = model_copy / "model.safetensors"
     w.write_bytes(w.read_bytes()[:1000])
-    args = (VIME, "train", "-c", REPO / "configs/tiny-cpu.yaml", "--set", f"output_dir={tmp_path / 'out'}",
-            "--set", f"model.source={model_copy}", "--set", "tracking.enabled=false")
+    args = (
+        VIME,
+        "train",
+        "-c",
+        REPO / "configs/tiny-cpu.yaml",
+        "--set",
+        f"output_dir={tmp_path / 'out'}",
+        "--set",
+        f"model.source={model_copy}",
+        "--set",
+        "tracking.enabled=false",
+    )
     r = run_cli(*args, cwd=tmp_path)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
@@ -148,8 +177,16 @@ def test_vime_train_user_errors_are_one_line_and_exit_2(tmp_path, model_copy):
 
 
 def test_vime_pipeline_user_errors_are_one_line_and_exit_2(tmp_path):
-    r = run_cli(Path(sys.executable).parent / "vime-pipeline", "-c", REPO / "configs/tiny-cpu.yaml", "--set",
-                "rollout.temperature=-1", "--set", "train.nonsense=1", cwd=tmp_path)
+    r = run_cli(
+        Path(sys.executable).parent / "vime-pipeline",
+        "-c",
+        REPO / "configs/tiny-cpu.yaml",
+        "--set",
+        "rollout.temperature=-1",
+        "--set",
+        "train.nonsense=1",
+        cwd=tmp_path,
+    )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "rollout.temperature" in lines[0] and "train.nonsense: unknown key" in lines[0]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.tiny import REPO
 
 VIME = Path(sys.executable).parent / "vime"
 GRACE_S = 20  # the watchdog polls every 0.5 s and gives SIGTERM 3 s before SIGKILL
@@ -70,14 +70,23 @@ def wait_gone(known: dict, timeout: float) -> list[str]:
 
 def test_the_watchdog_takes_a_library_started_server_with_it(tmp_path):
     """A parent starts a 'server' it cannot give a preexec_fn (as Prefect does) and the watchdog; SIGKILL the parent."""
-    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import subprocess, sys, time
         from vime_core.orphans import start_watchdog
         start_watchdog()
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
         print("up", flush=True)
         time.sleep(600)
-    """)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert parent.stdout.readline().strip() == "up"
     time.sleep(1.5)  # the watchdog's first snapshot
     known = descendants(parent.pid)
@@ -89,14 +98,23 @@ def test_the_watchdog_takes_a_library_started_server_with_it(tmp_path):
 
 
 def test_die_with_parent_sets_pdeathsig():
-    child = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+    child = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent("""
         import ctypes, signal
         from vime_core.orphans import die_with_parent
         assert die_with_parent(signal.SIGTERM)
         sig = ctypes.c_int()
         ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG
         print(sig.value)
-    """)], cwd=REPO, capture_output=True, text=True)
+    """),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert child.returncode == 0, child.stderr
     assert int(child.stdout) == signal.SIGTERM
 
@@ -104,8 +122,22 @@ def test_die_with_parent_sets_pdeathsig():
 @pytest.mark.e2e
 def test_sigkill_of_vime_train_leaves_no_process_behind(tmp_path):
     out = tmp_path / "run"
-    args = [str(VIME), "train", "-c", "configs/tiny-cpu.yaml", "--set", f"output_dir={out}", "--set", "rollout.num_rollout=50",
-            "--set", "checkpoint.save_interval=1", "--set", "eval.datasets=[]", "--set", "tracking.enabled=false"]
+    args = [
+        str(VIME),
+        "train",
+        "-c",
+        "configs/tiny-cpu.yaml",
+        "--set",
+        f"output_dir={out}",
+        "--set",
+        "rollout.num_rollout=50",
+        "--set",
+        "checkpoint.save_interval=1",
+        "--set",
+        "eval.datasets=[]",
+        "--set",
+        "tracking.enabled=false",
+    ]
     log = tmp_path / "train.log"
     proc = subprocess.Popen(args, cwd=REPO, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     known: dict = {}
@@ -121,8 +153,9 @@ def test_sigkill_of_vime_train_leaves_no_process_behind(tmp_path):
         dirs = run_dirs(known)
         print(f"{len(known)} descendants before the kill; run dirs {sorted(dirs)}")
         assert any("vime-actors-" in d for d in dirs) and any("/tmp/ray/session_" in d for d in dirs), dirs
-        assert any("raylet" in cmd for _, cmd in known.values()) and any("Trainer" in cmd or "default_worker" in cmd
-                                                                          for _, cmd in known.values())
+        assert any("raylet" in cmd for _, cmd in known.values()) and any(
+            "Trainer" in cmd or "default_worker" in cmd for _, cmd in known.values()
+        )
         os.kill(proc.pid, signal.SIGKILL)  # the driver alone, as the OOM killer would
         proc.wait(timeout=30)
         left = wait_gone(known, GRACE_S)
@@ -144,10 +177,21 @@ def test_sigkill_of_vime_pipeline_takes_its_temporary_prefect_server(tmp_path):
     """Killed once its temporary Prefect server (uvicorn) is up: before the watchdog it ran on indefinitely."""
     home = tmp_path / "prefect"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage")}
-    args = [str(Path(sys.executable).parent / "vime-pipeline"), "-c", "configs/tiny-cpu.yaml", "--set",
-            f"output_dir={tmp_path / 'run'}", "--set", "eval.datasets=[]", "--set", "tracking.enabled=false"]
+    args = [
+        str(Path(sys.executable).parent / "vime-pipeline"),
+        "-c",
+        "configs/tiny-cpu.yaml",
+        "--set",
+        f"output_dir={tmp_path / 'run'}",
+        "--set",
+        "eval.datasets=[]",
+        "--set",
+        "tracking.enabled=false",
+    ]
     log = tmp_path / "pipeline.log"
-    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     known: dict = {}
     try:
         deadline = time.monotonic() + 300

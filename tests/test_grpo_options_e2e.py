@@ -8,19 +8,29 @@ import math
 
 import pytest
 
-from tests.conftest import tiny_config
+from tests.helpers.tiny import tiny_config
 from vime_core.tracking import MemorySink
 
 pytestmark = pytest.mark.e2e
 
-SHORT = ["eval.datasets=[]", "rollout.rollout_batch_size=8", "train.global_batch_size=32"]  # 64 samples, 2 optimizer steps
+SHORT = [
+    "eval.datasets=[]",
+    "rollout.rollout_batch_size=8",
+    "train.global_batch_size=32",
+]  # 64 samples, 2 optimizer steps
 
 
 def test_kl_and_tis_run(tmp_path, dense_model_dir):
     from vime_core.loop import run
 
-    cfg = tiny_config(tmp_path, *SHORT, "rollout.num_rollout=2", "grpo.kl_loss_coef=0.05", "grpo.use_tis=true",
-                      "checkpoint.save_interval=2")
+    cfg = tiny_config(
+        tmp_path,
+        *SHORT,
+        "rollout.num_rollout=2",
+        "grpo.kl_loss_coef=0.05",
+        "grpo.use_tis=true",
+        "checkpoint.save_interval=2",
+    )
     sink = MemorySink()
     result = run(cfg, sink)
     rows = [r for r in sink.rows if "train/loss" in r]
@@ -44,11 +54,20 @@ def test_nan_reward_stops_the_run_and_keeps_checkpoints(tmp_path, dense_model_di
     per_step = 8 * 8  # rollout_batch_size x n_samples_per_prompt reward calls per step
     monkeypatch.setenv("VIME_TEST_NAN_AFTER", str(2 * per_step))  # steps 0 and 1 score normally, step 2 gets NaN
     custom_rewards.CALLS["n"] = 0
-    cfg = tiny_config(tmp_path, *SHORT, "rollout.num_rollout=4", "checkpoint.save_interval=1", "checkpoint.keep_last=2",
-                      "rollout.reward=tests.helpers.custom_rewards:nan_after_calls")
+    cfg = tiny_config(
+        tmp_path,
+        *SHORT,
+        "rollout.num_rollout=4",
+        "checkpoint.save_interval=1",
+        "checkpoint.keep_last=2",
+        "rollout.reward=tests.helpers.custom_rewards:nan_after_calls",
+    )
     sink = MemorySink()
-    with pytest.raises(ValueError, match=r"reward function tests.helpers.custom_rewards:nan_after_calls returned nan for "
-                                         r"the sample of prompt \d+ \(group \d+, label '[^']+'\): rewards must be finite"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward function tests.helpers.custom_rewards:nan_after_calls returned nan for "
+        r"the sample of prompt \d+ \(group \d+, label '[^']+'\): rewards must be finite",
+    ):
         run(cfg, sink)
     assert [r["step"] for r in sink.rows if "train/loss" in r] == [0, 1]
     ckpt = Checkpointer(cfg.save_dir, cfg.checkpoint.keep_last)

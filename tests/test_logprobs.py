@@ -3,12 +3,12 @@ gradients of hidden states and output weight, at TP=1 and vocab-parallel at TP=2
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
 
 from vime_core.logprobs import chunked_logprobs
+from vime_core.ports import free_port
 
 N, H, V = 37, 16, 50  # 37 tokens: chunks of 8 leave a ragged last chunk
 
@@ -44,9 +44,18 @@ def _values_and_grads(fn, hidden, weight, targets, g_lp, g_ent, with_entropy: bo
 @pytest.mark.parametrize("with_entropy", [True, False])
 def test_chunked_matches_full_logits(temperature, chunk, with_entropy):
     hidden, weight, targets, g_lp, g_ent = _inputs()
-    got = _values_and_grads(lambda h, w, t: chunked_logprobs(h, w, t, temperature, with_entropy, chunk),
-                            hidden, weight, targets, g_lp, g_ent, with_entropy)
-    want = _values_and_grads(lambda h, w, t: _full(h, w, t, temperature), hidden, weight, targets, g_lp, g_ent, with_entropy)
+    got = _values_and_grads(
+        lambda h, w, t: chunked_logprobs(h, w, t, temperature, with_entropy, chunk),
+        hidden,
+        weight,
+        targets,
+        g_lp,
+        g_ent,
+        with_entropy,
+    )
+    want = _values_and_grads(
+        lambda h, w, t: _full(h, w, t, temperature), hidden, weight, targets, g_lp, g_ent, with_entropy
+    )
     for name, a, b in zip(("logp", "entropy", "d hidden", "d weight"), got, want):
         if b is None:
             assert a is None
@@ -66,7 +75,9 @@ def test_entropy_gradient_alone():
     """A loss of the entropy only (entropy bonus without policy gradient) still reaches hidden states and weight."""
     hidden, weight, targets, _, g_ent = _inputs(2)
     zero = torch.zeros(N)
-    got = _values_and_grads(lambda h, w, t: chunked_logprobs(h, w, t, 1.0, True, 8), hidden, weight, targets, zero, g_ent, True)
+    got = _values_and_grads(
+        lambda h, w, t: chunked_logprobs(h, w, t, 1.0, True, 8), hidden, weight, targets, zero, g_ent, True
+    )
     want = _values_and_grads(lambda h, w, t: _full(h, w, t, 1.0), hidden, weight, targets, zero, g_ent, True)
     assert got[2].abs().sum() > 0
     assert torch.allclose(got[2], want[2], atol=1e-5) and torch.allclose(got[3], want[3], atol=1e-5)
@@ -82,9 +93,12 @@ def _tp_rank(rank: int, world: int, port: int, q) -> None:
         ps.initialize_model_parallel(tensor_model_parallel_size=world)
         hidden, weight, targets, g_lp, g_ent = _inputs(3)
         shard = weight.chunk(world, dim=0)[rank].contiguous()
-        lp, ent, dh, dw = _values_and_grads(lambda h, w, t: chunked_logprobs(h, w, t, 0.7, True, 8),
-                                            hidden, shard, targets, g_lp, g_ent, True)
-        w_lp, w_ent, w_dh, w_dw = _values_and_grads(lambda h, w, t: _full(h, w, t, 0.7), hidden, weight, targets, g_lp, g_ent, True)
+        lp, ent, dh, dw = _values_and_grads(
+            lambda h, w, t: chunked_logprobs(h, w, t, 0.7, True, 8), hidden, shard, targets, g_lp, g_ent, True
+        )
+        w_lp, w_ent, w_dh, w_dw = _values_and_grads(
+            lambda h, w, t: _full(h, w, t, 0.7), hidden, weight, targets, g_lp, g_ent, True
+        )
         diffs = {
             "logp": float((lp - w_lp).abs().max()),
             "entropy": float((ent - w_ent).abs().max()),
@@ -101,9 +115,7 @@ def _tp_rank(rank: int, world: int, port: int, q) -> None:
 def test_vocab_parallel_tp2_matches_tp1():
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_tp_rank, args=(r, 2, port, q)) for r in range(2)]

@@ -11,10 +11,17 @@ import torch
 
 from vime_core.config import GRPOConfig, config_from_dict
 from vime_core.loss import (
-    MicroBatch, NonFiniteStepError, check_finite_step, loss_scale, lr_at, micro_batch_loss, set_step_schedule,
-    step_denominator, step_train_metrics,
+    MicroBatch,
+    NonFiniteStepError,
+    check_finite_step,
+    loss_scale,
+    lr_at,
+    micro_batch_loss,
+    set_step_schedule,
+    step_denominator,
+    step_train_metrics,
 )
-from vime_core.train import TrainSample, pack_micro_batches, split_steps_and_ranks
+from vime_core.trainer import TrainSample, pack_micro_batches, split_steps_and_ranks
 
 EPS, EPS_HIGH = 0.2, 0.28
 
@@ -27,8 +34,15 @@ def mb(log_ratios, adv, ids, mask=None, **extra) -> MicroBatch:
     """A micro-batch whose old log-probs are 0, so that logp = the log-ratio (a leaf with grad)."""
     logp = t(*log_ratios).requires_grad_(True)
     n = len(log_ratios)
-    return MicroBatch(logp=logp, old_logp=torch.zeros(n, dtype=torch.float64), advantages=t(*adv),
-                      mask=t(*(mask or [1] * n)), sample_ids=torch.tensor(ids), num_samples=max(ids) + 1, **extra)
+    return MicroBatch(
+        logp=logp,
+        old_logp=torch.zeros(n, dtype=torch.float64),
+        advantages=t(*adv),
+        mask=t(*(mask or [1] * n)),
+        sample_ids=torch.tensor(ids),
+        num_samples=max(ids) + 1,
+        **extra,
+    )
 
 
 def grad_of(batch: MicroBatch, g: GRPOConfig, denom: float) -> tuple[float, torch.Tensor]:
@@ -38,7 +52,9 @@ def grad_of(batch: MicroBatch, g: GRPOConfig, denom: float) -> tuple[float, torc
 
 
 def close(a, b, tol=1e-5) -> bool:
-    return torch.allclose(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol, rtol=0)
+    return torch.allclose(
+        torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=tol, rtol=0
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -80,8 +96,15 @@ def test_token_mean_without_trained_tokens_is_zero_not_nan():
 def test_overflowing_ratio_with_zero_advantage_stays_finite():
     # log-ratio 100 in fp32: exp overflows to inf and -0 * inf = NaN; clamped to 20 first it is 4.9e8 * 0 = 0
     logp = torch.tensor([100.0, 0.0], requires_grad=True)
-    batch = MicroBatch(logp=logp, old_logp=torch.zeros(2), advantages=torch.zeros(2), mask=torch.ones(2),
-                       sample_ids=torch.tensor([0, 0]), num_samples=1, ref_logp=torch.tensor([-100.0, 0.0]))
+    batch = MicroBatch(
+        logp=logp,
+        old_logp=torch.zeros(2),
+        advantages=torch.zeros(2),
+        mask=torch.ones(2),
+        sample_ids=torch.tensor([0, 0]),
+        num_samples=1,
+        ref_logp=torch.tensor([-100.0, 0.0]),
+    )
     loss, _ = micro_batch_loss(batch, GRPOConfig(kl_loss_coef=0.1, kl_loss_type="k3"), 1)
     loss.backward()
     assert math.isfinite(float(loss)) and torch.isfinite(logp.grad).all()
@@ -149,8 +172,20 @@ def test_entropy_bonus():
 
 def test_step_train_metrics():
     g = GRPOConfig()
-    out = step_train_metrics({"pg_loss": 3.0, "pg_clipfrac": 1.0, "ppo_kl": 0.0, "entropy_loss": 6.0, "kl_loss": 0.0,
-                              "tis": 0.0, "tis_clipfrac": 0.0}, 3, -0.5, g)
+    out = step_train_metrics(
+        {
+            "pg_loss": 3.0,
+            "pg_clipfrac": 1.0,
+            "ppo_kl": 0.0,
+            "entropy_loss": 6.0,
+            "kl_loss": 0.0,
+            "tis": 0.0,
+            "tis_clipfrac": 0.0,
+        },
+        3,
+        -0.5,
+        g,
+    )
     assert out["train/pg_loss"] == 1.0 and out["train/entropy_loss"] == 2.0 and out["train/loss"] == -0.5
     assert "train/kl_loss" not in out and "train/tis" not in out
 
@@ -158,8 +193,10 @@ def test_step_train_metrics():
 # --------------------------------------------------------------------------------------------------------------------
 # step arithmetic
 # --------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind, dp, scale", [("adamw", 1, 1.0), ("adamw", 4, 1.0), ("megatron", 1, 1.0), ("megatron", 2, 2.0),
-                                             ("megatron", 8, 8.0)])
+@pytest.mark.parametrize(
+    "kind, dp, scale",
+    [("adamw", 1, 1.0), ("adamw", 4, 1.0), ("megatron", 1, 1.0), ("megatron", 2, 2.0), ("megatron", 8, 8.0)],
+)
 def test_loss_scale(kind, dp, scale):
     assert loss_scale(kind, dp) == scale
 
@@ -231,16 +268,25 @@ def test_megatron_grads_finite_by_buffer_sums(bad, finite):
     if bad is not None:
         expert[3] = bad
         dense[7] = -math.inf if bad == math.inf else 0.0  # inf + -inf sums to NaN: still non-finite
-    ddp = SimpleNamespace(buffers=[SimpleNamespace(grad_data=dense)], expert_parallel_buffers=[SimpleNamespace(grad_data=expert)])
+    ddp = SimpleNamespace(
+        buffers=[SimpleNamespace(grad_data=dense)], expert_parallel_buffers=[SimpleNamespace(grad_data=expert)]
+    )
     assert megatron_grads_finite(ddp) is finite
 
 
 def test_split_steps_and_ranks_dp2():
     # 8 samples, 2 optimizer steps, DP 2: each step takes 4 consecutive samples, 2 per rank, balancing tokens
-    samples = [TrainSample(tokens=[1] * n, prompt_len=1, loss_mask=[1] * (n - 1), rollout_logprobs=[0.0] * (n - 1), advantage=0.0)
-               for n in (10, 2, 3, 9, 4, 4, 4, 4)]
+    samples = [
+        TrainSample(
+            tokens=[1] * n, prompt_len=1, loss_mask=[1] * (n - 1), rollout_logprobs=[0.0] * (n - 1), advantage=0.0
+        )
+        for n in (10, 2, 3, 9, 4, 4, 4, 4)
+    ]
     split = split_steps_and_ranks(samples, 2, 2)
-    assert [[sorted(len(s.tokens) for s in step) for step in rank] for rank in split] == [[[2, 10], [4, 4]], [[3, 9], [4, 4]]]
+    assert [[sorted(len(s.tokens) for s in step) for step in rank] for rank in split] == [
+        [[2, 10], [4, 4]],
+        [[3, 9], [4, 4]],
+    ]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -262,8 +308,14 @@ def test_megatron_ddp_averages_over_dp_and_the_loss_scale_undoes_it(dense_model_
         assert rank["finite"] is True and rank["finite_after_nan"] is False
 
 
-TRAIN_OVERRIDES = ["rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=4", "train.global_batch_size=4",
-                   "train.max_tokens_per_device=16", "grpo.kl_loss_coef=0.05", "grpo.use_tis=true"]
+TRAIN_OVERRIDES = [
+    "rollout.rollout_batch_size=2",
+    "rollout.n_samples_per_prompt=4",
+    "train.global_batch_size=4",
+    "train.max_tokens_per_device=16",
+    "grpo.kl_loss_coef=0.05",
+    "grpo.use_tis=true",
+]
 
 
 def test_trainer_dp2_matches_dp1(dense_model_dir):
@@ -283,9 +335,35 @@ def test_trainer_dp2_matches_dp1(dense_model_dir):
     assert m2["train/loss"] == pytest.approx(m1["train/loss"], abs=max(1e-6, 0.01 * abs(m1["train/loss"])))
     # the 2nd step starts from AdamW-updated weights (lr x sign(g) on step 1), which amplifies rounding to ~1e-4
     assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=1e-3)
-    assert m2["train/kl_loss"] == pytest.approx(m1["train/kl_loss"], rel=1e-3)  # token-weighted over ranks, not a mean of means
+    assert m2["train/kl_loss"] == pytest.approx(
+        m1["train/kl_loss"], rel=1e-3
+    )  # token-weighted over ranks, not a mean of means
     assert 0 < m1["train/tis"] <= 2.0
     assert one["checksum_after"] != one["checksum_before"]
+
+
+@pytest.mark.parametrize("global_batch, auto_passes", [(8, 0), (4, 3)])
+def test_first_step_takes_old_logprobs_from_the_training_forward(dense_model_dir, global_batch, auto_passes):
+    """`train.old_logprobs = auto`: the first optimizer step of a rollout takes its old log-probs from its own
+    forward (the weights are still the old policy), so the no-grad pass covers only the later steps' samples (none
+    with one step per rollout; with two, the 3 live ones of samples 4-7); the results equal those of the full
+    pass: loss, grad norm, TIS weights, log-prob distance to the rollout and updated weights."""
+    from tests.helpers.trainer_ranks import spawn
+
+    steps = [o for o in TRAIN_OVERRIDES if not o.startswith("train.global_batch_size")] + [
+        f"train.global_batch_size={global_batch}"
+    ]
+    auto = spawn("train_rank", 1, str(dense_model_dir), steps, 8, 3)[0]
+    fwd = spawn("train_rank", 1, str(dense_model_dir), [*steps, "train.old_logprobs=forward"], 8, 3)[0]
+    assert auto["error"] is None and fwd["error"] is None, (auto["error"], fwd["error"])
+    # 8 samples, every 3rd response empty: 5 live; the no-grad pass skips the empty ones
+    assert (auto["old_logprob_samples"], fwd["old_logprob_samples"]) == (auto_passes, 5)
+    a, f = auto["metrics"], fwd["metrics"]
+    assert abs(f["train/loss"]) > 1e-4 and f["train/train_rollout_logprob_abs_diff"] > 0.1
+    for key in ("train/loss", "train/grad_norm", "train/tis", "train/kl_loss", "train/train_rollout_logprob_abs_diff"):
+        assert a[key] == pytest.approx(f[key], rel=1e-5, abs=1e-7), key
+    assert auto["checksum_after"] == pytest.approx(fwd["checksum_after"], rel=1e-6)
+    assert auto["checksum_after"] != auto["checksum_before"]
 
 
 def test_trainer_non_finite_step_is_not_applied(dense_model_dir):
@@ -300,12 +378,16 @@ def test_trainer_non_finite_step_is_not_applied(dense_model_dir):
 
 def test_make_train_batch_constant_groups_and_non_finite_rewards():
     from vime_core.sample import Sample
-    from vime_core.train import make_train_batch
+    from vime_core.trainer import make_train_batch
 
-    cfg = config_from_dict({"rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 4}, "train": {"global_batch_size": 8}})
+    cfg = config_from_dict(
+        {"rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 4}, "train": {"global_batch_size": 8}}
+    )
 
     def group(*rewards):
-        return [Sample(group_id=0, prompt_ids=[1, 2], response_ids=[3], rollout_logprobs=[-1.0], reward=r) for r in rewards]
+        return [
+            Sample(group_id=0, prompt_ids=[1, 2], response_ids=[3], rollout_logprobs=[-1.0], reward=r) for r in rewards
+        ]
 
     batch, _ = make_train_batch([group(0.7, 0.7, 0.7, 0.7), group(0.1, 0.9, 0.1, 0.1)], cfg)
     assert [s.advantage for s in batch[:4]] == [0.0] * 4  # was 0.056 each: fp32 mean/std rounding

@@ -57,18 +57,29 @@ def test_model_weights_stay_where_they_are():
     off.onload()
 
 
-@pytest.mark.parametrize("setting, colocate, platform, want", [
-    ("auto", True, "cuda", True), ("auto", False, "cuda", False), (True, False, "cuda", True),
-    (False, True, "cuda", False), ("auto", True, "cpu", False), (True, True, "cpu", False),
-])
+@pytest.mark.parametrize(
+    "setting, colocate, platform, want",
+    [
+        ("auto", True, "cuda", True),
+        ("auto", False, "cuda", False),
+        (True, False, "cuda", True),
+        (False, True, "cuda", False),
+        ("auto", True, "cpu", False),
+        (True, True, "cpu", False),
+    ],
+)
 def test_offload_is_on_for_colocated_gpus(setting, colocate, platform, want):
     assert offload_enabled(setting, colocate, platform) is want
 
 
 def _fake_trainer(budget: int):
     cfg = SimpleNamespace(train=SimpleNamespace(max_tokens_per_device=budget))
-    return SimpleNamespace(cfg=cfg, device=torch.device("cpu"), peaks=PhasePeaks(torch.device("cpu")),
-                           offload_times={"offload": 0.0, "onload": 0.0})
+    return SimpleNamespace(
+        cfg=cfg,
+        device=torch.device("cpu"),
+        peaks=PhasePeaks(torch.device("cpu")),
+        offload_times={"offload": 0.0, "onload": 0.0},
+    )
 
 
 def test_out_of_memory_names_the_budget_and_a_value_that_may_fit():

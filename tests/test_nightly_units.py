@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import REPO, tiny_config
+from tests.helpers.tiny import REPO, tiny_config
 
 HOLD = textwrap.dedent("""
     import sys, time
@@ -26,8 +26,13 @@ HOLD = textwrap.dedent("""
 def held_dir(tmp_path):
     """`tmp_path/run` held by another process, as a running flow would hold it."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.stdout.readline().strip() == "held"
     yield out, proc
     proc.kill()
@@ -61,9 +66,22 @@ def test_the_lock_is_reentrant_in_a_process_and_freed_when_its_holder_dies(held_
 
 def test_vime_train_on_a_held_output_dir_exits_2_with_one_line(held_dir):
     out, proc = held_dir
-    r = subprocess.run([str(REPO / ".venv" / "bin" / "vime"), "train", "--config", "configs/tiny-cpu.yaml",
-                        "--set", f"output_dir={out}", "--set", "tracking.enabled=false"],
-                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            str(REPO / ".venv" / "bin" / "vime"),
+            "train",
+            "--config",
+            "configs/tiny-cpu.yaml",
+            "--set",
+            f"output_dir={out}",
+            "--set",
+            "tracking.enabled=false",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     lines = [line for line in r.stderr.splitlines() if "RunLockedError" in line]
     assert len(lines) == 1 and f"pid {proc.pid}" in lines[0] and "flow-run-1234" in lines[0], r.stderr[-2000:]
@@ -78,22 +96,30 @@ def test_start_fresh_moves_export_metrics_and_ledger_aside_with_the_checkpoints(
     (cfg.output_dir / "metrics.jsonl").write_text('{"step": 0}\n')
     (cfg.output_dir / "data_ledger.jsonl").write_text('{"rollout_id": 0}\n')
     moved = move_outputs_aside(cfg)
-    assert sorted(p.name.split(".old-")[0] for p in moved) == ["checkpoints", "data_ledger.jsonl", "export", "metrics.jsonl"]
+    assert sorted(p.name.split(".old-")[0] for p in moved) == [
+        "checkpoints",
+        "data_ledger.jsonl",
+        "export",
+        "metrics.jsonl",
+    ]
     assert len({p.name.split(".old-")[1] for p in moved}) == 1, "one timestamp for everything of the old run"
     assert not cfg.save_dir.exists() and not (cfg.output_dir / "export").exists()
     assert not (cfg.output_dir / "metrics.jsonl").exists() and not (cfg.output_dir / "data_ledger.jsonl").exists()
     assert (cfg.output_dir / moved[1].name).exists()
 
 
-@pytest.mark.parametrize("error, retried", [
-    ("vime_core.config:ConfigError", False),
-    ("vime_core.data:DatasetError", False),
-    ("vime_core.sources:SourceError", False),
-    ("vime_core.runlock:RunLockedError", False),
-    ("vime_core.errors:ActorTimeoutError", True),
-    ("builtins:RuntimeError", True),
-    ("builtins:OSError", True),
-])
+@pytest.mark.parametrize(
+    "error, retried",
+    [
+        ("vime_core.config:ConfigError", False),
+        ("vime_core.data:DatasetError", False),
+        ("vime_core.sources:SourceError", False),
+        ("vime_core.runlock:RunLockedError", False),
+        ("vime_core.errors:ActorTimeoutError", True),
+        ("builtins:RuntimeError", True),
+        ("builtins:OSError", True),
+    ],
+)
 def test_only_transient_errors_are_retried(error, retried):
     import importlib
 

@@ -8,14 +8,17 @@ import torch
 import torch.nn.functional as F
 
 from vime_core.attention import group_lengths, varlen_attention, varlen_layout
-from vime_core.train import pack_micro_batches
+from vime_core.trainer import pack_micro_batches
 
 
-@pytest.mark.parametrize("lengths, budget", [
-    ([4136, 4136, 1064, 40, 4100, 900, 900, 12], 9216),
-    ([5, 3, 8, 1, 1, 9, 2, 7], 10),
-    ([100] * 7, 250),
-])
+@pytest.mark.parametrize(
+    "lengths, budget",
+    [
+        ([4136, 4136, 1064, 40, 4100, 900, 900, 12], 9216),
+        ([5, 3, 8, 1, 1, 9, 2, 7], 10),
+        ([100] * 7, 250),
+    ],
+)
 def test_micro_batches_hold_every_sample_once_within_the_budget(lengths, budget):
     batches = pack_micro_batches(lengths, budget)
     assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
@@ -66,9 +69,11 @@ def _alone(q, k, v, lens, scale):
 def test_varlen_attention_equals_each_sample_alone(lens):
     g = torch.Generator().manual_seed(len(lens))
     t, heads, groups, d = sum(lens), 4, 2, 8
-    q, k, v = (torch.randn(t, n, d, generator=g, dtype=torch.float32).requires_grad_(True) for n in (heads, groups, groups))
+    q, k, v = (
+        torch.randn(t, n, d, generator=g, dtype=torch.float32).requires_grad_(True) for n in (heads, groups, groups)
+    )
     upstream = torch.randn(t, heads, d, generator=g, dtype=torch.float32)
-    scale = d ** -0.5
+    scale = d**-0.5
     got = varlen_attention(q, k, v, varlen_layout(lens, "cpu"), scale)
     grads = torch.autograd.grad((got * upstream).sum(), (q, k, v))
     want = _alone(q, k, v, lens, scale)

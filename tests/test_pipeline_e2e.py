@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -30,7 +29,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO
+from tests.helpers.tiny import REPO
+from vime_core.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -39,12 +39,6 @@ STEPS = 3
 EVAL_NAME = "arith-heldout"
 MODEL = "vime-tiny-cpu"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen, log: Path) -> None:
@@ -72,9 +66,12 @@ def stop(proc: subprocess.Popen, grace: float = 30) -> None:
 
 
 def api(env: dict, path: str, body: dict | None = None, method: str | None = None):
-    req = urllib.request.Request(env["PREFECT_API_URL"] + path, method=method or ("POST" if body is not None else "GET"),
-                                 data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        env["PREFECT_API_URL"] + path,
+        method=method or ("POST" if body is not None else "GET"),
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read() or "null")
 
@@ -90,13 +87,21 @@ def wait_until(fn, timeout: float, what: str, interval: float = 2):
 
 
 def prefect(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "prefect"), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [str(BIN / "prefect"), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_overrides(out: Path, *extra: str) -> list[str]:
-    return [f"output_dir={out / 'runs' / 'tiny-cpu'}", f"tracking.uri=sqlite:///{out / 'mlflow.db'}",
-            f"rollout.num_rollout={STEPS}", "checkpoint.save_interval=2", "rollout.reward=tests.helpers.flaky_reward:reward",
-            f'eval.datasets=[{{name: {EVAL_NAME}, source: "builtin://arith?split=heldout&size=32"}}]', *extra]
+    return [
+        f"output_dir={out / 'runs' / 'tiny-cpu'}",
+        f"tracking.uri=sqlite:///{out / 'mlflow.db'}",
+        f"rollout.num_rollout={STEPS}",
+        "checkpoint.save_interval=2",
+        "rollout.reward=tests.helpers.flaky_reward:reward",
+        f'eval.datasets=[{{name: {EVAL_NAME}, source: "builtin://arith?split=heldout&size=32"}}]',
+        *extra,
+    ]
 
 
 test_overrides.__test__ = False  # a helper, not a test
@@ -107,15 +112,29 @@ def prefect_env(tmp_path_factory, dense_model_dir):
     home = tmp_path_factory.mktemp("prefect-home")
     port = free_port()
     # PREFECT_RESULTS_LOCAL_STORAGE_PATH as infra/README.md says: Prefect 3.7.7 ignores PREFECT_HOME for it
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage"),
-           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port), "PYTHONPATH": str(REPO),
-           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2", "PREFECT_WORKER_QUERY_SECONDS": "2",
-           # as infra/compose.yaml: --watch streams the runs' log lines
-           "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true", "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage"),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(port),
+        "PYTHONPATH": str(REPO),
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        # as infra/compose.yaml: --watch streams the runs' log lines
+        "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true",
+        "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true",
+    }
     log = home / "server.log"
-    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, cwd=home, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        cwd=home,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         wait_http(f"http://127.0.0.1:{port}/api/health", 180, server, log)
         yield {**env, "server_log": str(log)}
@@ -136,8 +155,14 @@ def deployment(prefect_env, tmp_path_factory):
     r = prefect(env, "--no-prompt", "deploy", "--all", "--prefect-file", str(out / "prefect.yaml"))
     assert r.returncode == 0, r.stdout + r.stderr
     worker_log = out / "worker.log"
-    worker = subprocess.Popen([str(BIN / "prefect"), "worker", "start", "--pool", "vime"], env=env, cwd=REPO,
-                              stdout=open(worker_log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    worker = subprocess.Popen(
+        [str(BIN / "prefect"), "worker", "start", "--pool", "vime"],
+        env=env,
+        cwd=REPO,
+        stdout=open(worker_log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     (dep,) = api(env, "/deployments/filter", {"deployments": {"name": {"any_": ["nightly"]}}})
     try:
         yield {"out": out, "env": env, "id": dep["id"], "worker_log": worker_log}
@@ -155,7 +180,9 @@ def flow_runs(d: dict, state_types: list[str] | None = None) -> list[dict]:
 def run_now(d: dict, params: dict) -> tuple[subprocess.CompletedProcess, dict]:
     """`prefect deployment run ... --watch`, and the flow run it created (read back from the server)."""
     before = {r["id"] for r in flow_runs(d)}
-    r = prefect(d["env"], "deployment", "run", "grpo-pipeline/nightly", "--params", json.dumps(params), "--watch", timeout=1200)
+    r = prefect(
+        d["env"], "deployment", "run", "grpo-pipeline/nightly", "--params", json.dumps(params), "--watch", timeout=1200
+    )
     (new,) = [x for x in flow_runs(d) if x["id"] not in before]
     return r, new
 
@@ -167,10 +194,17 @@ def first_night(deployment):
     scheduled = wait_until(lambda: flow_runs(d, ["SCHEDULED"]), 120, "the cron schedule created no flow run")
     run = scheduled[0]
     now = datetime.now(timezone.utc).isoformat()
-    api(d["env"], f"/flow_runs/{run['id']}/set_state",
-        {"state": {"type": "SCHEDULED", "name": "Scheduled", "state_details": {"scheduled_time": now}}, "force": True})
-    done = wait_until(lambda: (fr := api(d["env"], f"/flow_runs/{run['id']}"))["state"]["type"] in TERMINAL and fr,
-                      1200, "the scheduled run did not finish", interval=5)
+    api(
+        d["env"],
+        f"/flow_runs/{run['id']}/set_state",
+        {"state": {"type": "SCHEDULED", "name": "Scheduled", "state_details": {"scheduled_time": now}}, "force": True},
+    )
+    done = wait_until(
+        lambda: (fr := api(d["env"], f"/flow_runs/{run['id']}"))["state"]["type"] in TERMINAL and fr,
+        1200,
+        "the scheduled run did not finish",
+        interval=5,
+    )
     return {"scheduled": scheduled, "run": done, "worker_log": d["worker_log"].read_text()}
 
 
@@ -191,7 +225,9 @@ def nightly_run(client, flow_run_id: str):
 
 
 def file_hashes(d: Path) -> dict[str, str]:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()
+    }
 
 
 def version_files(client, version: str, dst: Path) -> dict[str, str]:
@@ -199,15 +235,18 @@ def version_files(client, version: str, dst: Path) -> dict[str, str]:
     import mlflow
 
     mv = client.get_model_version(MODEL, str(version))
-    return file_hashes(Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst),
-                                                                  tracking_uri=client.uri)))
+    return file_hashes(
+        Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst), tracking_uri=client.uri))
+    )
 
 
 def scored_weights(client, run_id: str) -> str:
     """vime.weights_sha256 of the pipeline's final evaluation (the evaluate task's child run)."""
     exp = client.get_experiment_by_name("tiny-cpu")
-    (child,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{run_id}' and "
-                                  "attributes.run_name = 'evaluate-final'")
+    (child,) = client.search_runs(
+        [exp.experiment_id],
+        filter_string=f"tags.`mlflow.parentRunId` = '{run_id}' and attributes.run_name = 'evaluate-final'",
+    )
     return child.data.tags["vime.weights_sha256"]
 
 
@@ -217,7 +256,10 @@ def test_the_schedule_creates_runs_and_one_completes_through_the_worker(deployme
     assert state["type"] == "COMPLETED" and state["name"] == "Completed", (state, first_night["worker_log"][-5000:])
     assert any((Path(deployment["env"]["PREFECT_HOME"]) / "storage").iterdir()), "task results belong in PREFECT_HOME"
     dep = api(deployment["env"], f"/deployments/{deployment['id']}")
-    assert dep["global_concurrency_limit"]["limit"] == 1 and dep["job_variables"]["env"]["PREFECT_LOGGING_EXTRA_LOGGERS"] == "vime_core"
+    assert (
+        dep["global_concurrency_limit"]["limit"] == 1
+        and dep["job_variables"]["env"]["PREFECT_LOGGING_EXTRA_LOGGERS"] == "vime_core"
+    )
 
 
 def test_the_train_task_was_retried_and_resumed(deployment, first_night):
@@ -251,7 +293,9 @@ def test_mlflow_holds_the_first_night(first_night, store, tmp_path):
     exported = client.get_metric_history(run_id, f"final_eval/{EVAL_NAME}/pass_at_1")
     assert [(m.step, m.value) for m in exported] == [(STEPS, pytest.approx(evals[STEPS], abs=1e-9))]
     reward = client.get_metric_history(run_id, "summary/rollout/raw_reward last step")
-    assert [m.step for m in reward] == [STEPS] and reward[0].value == client.get_metric_history(run_id, "rollout/raw_reward")[-1].value
+    assert [m.step for m in reward] == [STEPS] and reward[0].value == client.get_metric_history(
+        run_id, "rollout/raw_reward"
+    )[-1].value
     exp = client.get_experiment_by_name("tiny-cpu")
     children = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{run_id}'")
     assert sorted(c.info.run_name for c in children) == ["eval-step-0", f"eval-step-{STEPS}", "evaluate-final"]
@@ -299,7 +343,9 @@ def first_night_dir(deployment, first_night):
 
 def test_an_unchanged_rerun_trains_and_registers_nothing_and_says_so(deployment, second_night, first_night_dir, store):
     before = len(store.search_model_versions(f"name = '{MODEL}'"))
-    r, run = run_now(deployment, {"nightly": False, "overrides": test_overrides(deployment["out"], f"output_dir={first_night_dir}")})
+    r, run = run_now(
+        deployment, {"nightly": False, "overrides": test_overrides(deployment["out"], f"output_dir={first_night_dir}")}
+    )
     assert run is not None
     state = api(deployment["env"], f"/flow_runs/{run['id']}")["state"]
     assert (state["type"], state["name"]) == ("COMPLETED", "NothingTrained"), state
@@ -310,11 +356,26 @@ def test_an_unchanged_rerun_trains_and_registers_nothing_and_says_so(deployment,
 
 def test_start_fresh_registers_the_weights_it_trained(deployment, second_night, first_night_dir, store, tmp_path):
     old = nightly_run(store, json.loads((first_night_dir / "candidate.json").read_text())["flow_run_id"])
-    r, run = run_now(deployment, {"nightly": False, "overrides": test_overrides(
-        deployment["out"], f"output_dir={first_night_dir}", "checkpoint.start_fresh=true", "seed=7", "rollout.num_rollout=2")})
+    r, run = run_now(
+        deployment,
+        {
+            "nightly": False,
+            "overrides": test_overrides(
+                deployment["out"],
+                f"output_dir={first_night_dir}",
+                "checkpoint.start_fresh=true",
+                "seed=7",
+                "rollout.num_rollout=2",
+            ),
+        },
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert [p.name.split(".old-")[0] for p in sorted(first_night_dir.glob("*.old-*"))] == \
-        ["checkpoints", "data_ledger.jsonl", "export", "metrics.jsonl"]
+    assert [p.name.split(".old-")[0] for p in sorted(first_night_dir.glob("*.old-*"))] == [
+        "checkpoints",
+        "data_ledger.jsonl",
+        "export",
+        "metrics.jsonl",
+    ]
     newest = max(store.search_model_versions(f"name = '{MODEL}'"), key=lambda v: int(v.version))
     assert newest.run_id != old.info.run_id
     files = version_files(store, newest.version, tmp_path / "fresh")
@@ -332,11 +393,18 @@ def test_a_run_on_a_held_output_dir_is_refused_naming_the_holder(deployment, sec
             print("held", flush=True)
             time.sleep(600)
     """)
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(held)], cwd=REPO, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(held)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
-        r, run = run_now(deployment, {"nightly": False, "overrides": test_overrides(deployment["out"], f"output_dir={held}")})
+        r, run = run_now(
+            deployment, {"nightly": False, "overrides": test_overrides(deployment["out"], f"output_dir={held}")}
+        )
     finally:
         holder.kill()
         holder.wait()
@@ -359,7 +427,9 @@ def test_notebook_compares_the_runs(deployment, second_night, tmp_path, monkeypa
     monkeypatch.setenv("VIME_EXPERIMENT", "tiny-cpu")
     monkeypatch.setenv("VIME_NOTEBOOK_OUT", str(tmp_path))
     nb = nbformat.read(REPO / "notebooks" / "compare_runs.ipynb", as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO / "notebooks")}}
+    ).execute()
     figure = tmp_path / "compare_tiny-cpu.png"
     assert figure.is_file() and figure.stat().st_size > 10_000
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]

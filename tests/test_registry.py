@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_config
+from tests.helpers.tiny import tiny_config
 
 METRIC = "eval/arith-heldout/pass@1"
 
@@ -28,7 +28,9 @@ def store(shared_store, tmp_path, monkeypatch):
 
 
 def file_hashes(d: Path) -> dict[str, str]:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()
+    }
 
 
 def fake_export(d: Path, weights: bytes) -> Path:
@@ -67,7 +69,7 @@ def test_a_tie_never_promotes_and_scores_are_compared_at_full_precision(store, t
 
 def test_each_version_owns_its_files(store, tmp_path):
     """v2 registered from the same run dir (an extended run re-exports iter_N) must not change what v1 downloads."""
-    from vime_core.tracking import download_registered_model
+    from vime_core.sources import download_registered_model
 
     export = fake_export(tmp_path / "export" / "iter_0000003", b"first weights")
     register(store, tmp_path, export, 0.3, name="vime-own")
@@ -81,13 +83,15 @@ def test_each_version_owns_its_files(store, tmp_path):
 
 
 def test_two_stores_with_the_same_version_number_do_not_share_a_download(tmp_path, monkeypatch):
-    from vime_core.tracking import download_registered_model
+    from vime_core.sources import download_registered_model
 
     monkeypatch.setenv("VIME_CACHE_DIR", str(tmp_path / "cache"))
     got = []
     for i in (1, 2):
         uri = f"sqlite:///{tmp_path / f'store{i}.db'}"
-        register(uri, tmp_path / f"s{i}", fake_export(tmp_path / f"e{i}" / "iter_0000001", f"weights {i}".encode()), 0.5)
+        register(
+            uri, tmp_path / f"s{i}", fake_export(tmp_path / f"e{i}" / "iter_0000001", f"weights {i}".encode()), 0.5
+        )
         got.append((download_registered_model("models:/vime-test/1", uri) / "model.safetensors").read_bytes())
     assert got == [b"weights 1", b"weights 2"]
 
@@ -141,6 +145,9 @@ def test_every_evaluation_row_becomes_a_child_run_at_its_step(store):
     client = MlflowClient(tracking_uri=store)
     exp = client.get_experiment_by_name("eval-test")
     children = client.search_runs([exp.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent.run_id}'")
-    steps = sorted((c.info.run_name, m.step, m.value) for c in children
-                   for m in client.get_metric_history(c.info.run_id, "eval/a/pass_at_1"))
+    steps = sorted(
+        (c.info.run_name, m.step, m.value)
+        for c in children
+        for m in client.get_metric_history(c.info.run_id, "eval/a/pass_at_1")
+    )
     assert steps == [("eval-step-0", 0, 0.2), ("eval-step-3", 3, 0.3)]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import tiny_config
+from tests.helpers.tiny import tiny_config
 from vime_core.checkpoint import Checkpointer, ResumeError, iter_name
 
 

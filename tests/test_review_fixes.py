@@ -16,7 +16,7 @@ import pytest
 from prefect.states import Failed
 
 from tasks.common import is_transient
-from tests.conftest import tiny_config
+from tests.helpers.tiny import tiny_config
 from vime_core.checkpoint import Checkpointer, ResumeError, iter_name
 from vime_core.errors import TransientError, VimeError
 
@@ -61,13 +61,14 @@ def test_any_other_registry_error_is_raised_not_read_as_no_champion(store, monke
         def get_model_version_by_alias(self, name, alias):
             raise MlflowException("database is locked", error_code="INTERNAL_ERROR")
 
-    monkeypatch.setattr(tracking, "_client", lambda uri: Broken(tracking_uri=uri, registry_uri=uri))
+    monkeypatch.setattr(tracking, "mlflow_client", lambda uri: Broken(tracking_uri=uri, registry_uri=uri))
     with pytest.raises(MlflowException, match="database is locked"):
         tracking.alias_version(store, "any")
     with pytest.raises(MlflowException, match="database is locked"):
         tracking.register_model(store, "broken-store", "run", "model", "eval/x/pass@1", 0.5)
-    assert not MlflowClient(tracking_uri=store, registry_uri=store).search_model_versions("name = 'broken-store'"), \
+    assert not MlflowClient(tracking_uri=store, registry_uri=store).search_model_versions("name = 'broken-store'"), (
         "no version is created when the champion could not be read"
+    )
 
 
 def test_a_retried_registration_reuses_the_version_of_the_same_weights(store, tmp_path):
@@ -108,13 +109,16 @@ def hub_http_error(status: int):
     return HfHubHTTPError(f"HTTP {status}", response=SimpleNamespace(headers={}, request=None, status_code=status))
 
 
-@pytest.mark.parametrize("make, offline, transient", [
-    (lambda: hub_http_error(503), False, True),
-    (lambda: hub_http_error(429), False, True),
-    (lambda: hub_http_error(404), False, False),
-    ("local-entry", False, True),   # online, and the hub did not answer
-    ("local-entry", True, False),   # offline on purpose: the cache is all there is
-])
+@pytest.mark.parametrize(
+    "make, offline, transient",
+    [
+        (lambda: hub_http_error(503), False, True),
+        (lambda: hub_http_error(429), False, True),
+        (lambda: hub_http_error(404), False, False),
+        ("local-entry", False, True),  # online, and the hub did not answer
+        ("local-entry", True, False),  # offline on purpose: the cache is all there is
+    ],
+)
 def test_hub_failures_are_transient_only_when_a_retry_can_help(monkeypatch, make, offline, transient):
     import huggingface_hub
     from huggingface_hub import constants
@@ -246,8 +250,9 @@ def test_resume_false_beside_old_checkpoints_is_refused(tmp_path):
     for call in (resume_point, resume_state):
         with pytest.raises(ResumeError) as e:
             call(cfg)
-        assert (f"checkpoint.resume = false but {cfg.save_dir} holds checkpoints up to {iter_name(4)}" in str(e.value)
-                and "checkpoint.start_fresh=true" in str(e.value))
+        assert f"checkpoint.resume = false but {cfg.save_dir} holds checkpoints up to {iter_name(4)}" in str(
+            e.value
+        ) and "checkpoint.start_fresh=true" in str(e.value)
     assert resume_point(tiny_config(tmp_path / "empty", "checkpoint.resume=false")) == (None, None)
 
 
@@ -295,13 +300,15 @@ def test_the_run_id_is_read_without_a_checksum_pass(tmp_path):
 
 # ---- 8. eval timeout ---------------------------------------------------------------------------------------------------
 def test_eval_generate_calls_are_bounded_by_eval_timeout_s(tmp_path, monkeypatch):
-    import vime_core.cluster as cluster
+    import vime_core.rollout as rollout
     from vime_core.rollout import RolloutRouter
 
     cfg = tiny_config(tmp_path, "eval.timeout_s=123")
     assert tiny_config(tmp_path).eval.timeout_s == 7200
     seen = []
-    monkeypatch.setattr(cluster, "gather", lambda refs, who, doing, timeout_s, setting: seen.append((timeout_s, setting)) or [])
+    monkeypatch.setattr(
+        rollout, "gather", lambda refs, who, doing, timeout_s, setting: seen.append((timeout_s, setting)) or []
+    )
     engine = SimpleNamespace(generate=SimpleNamespace(remote=lambda reqs, spec: None))
     router = RolloutRouter([engine], cfg.rollout.timeout_s)
     request = SimpleNamespace(template=SimpleNamespace(prompt_ids=[1, 2]))
@@ -322,8 +329,10 @@ def test_evaluate_passes_eval_timeout_s_to_the_router(tmp_path):
     class Router:
         def generate(self, requests, spec, timeout_s=None, setting="rollout.timeout_s"):
             seen.append((timeout_s, setting))
-            return [[Sample(group_id=0, prompt_ids=[1], response_ids=[2], finish_reason="stop", reward=1.0)]
-                    for _ in requests]
+            return [
+                [Sample(group_id=0, prompt_ids=[1], response_ids=[2], finish_reason="stop", reward=1.0)]
+                for _ in requests
+            ]
 
     prompt = SimpleNamespace(index=0, template=lambda group_id: SimpleNamespace(prompt_ids=[1]))
     metrics = evaluate(Router(), {"held": PromptSet("x", [prompt])}, cfg, SimpleNamespace(score=lambda groups: None))

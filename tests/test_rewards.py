@@ -301,8 +301,16 @@ def test_box_only_inside_think_scores_zero():
     assert math_reward("<think>so \\boxed{5}", "5") == 0.0
 
 
-@pytest.mark.parametrize("pred, label", [(r"\$18.90", "18.90"), ("1e3", "1000"), ("2.5E-1", "1/4"), (r"\emptyset", r"\varnothing"),
-                                         (r"\varnothing", r"\emptyset")])
+@pytest.mark.parametrize(
+    "pred, label",
+    [
+        (r"\$18.90", "18.90"),
+        ("1e3", "1000"),
+        ("2.5E-1", "1/4"),
+        (r"\emptyset", r"\varnothing"),
+        (r"\varnothing", r"\emptyset"),
+    ],
+)
 def test_answers_equal_dollars_exponents_empty_set(pred, label):
     assert answers_equal(pred, label) is True
     assert math_reward(f"\\boxed{{{pred}}}", label) == 1.0
@@ -333,7 +341,13 @@ def test_math_reward_has_a_time_limit_off_the_main_thread():
 
 
 def test_reward_model_math_batches_symbolic_checks():
-    gs = [[_sample(r"\boxed{\sqrt{9}}", label="3"), _sample(r"\boxed{\frac{6}{2}}", label="3"), _sample(r"\boxed{x}", label="3")]]
+    gs = [
+        [
+            _sample(r"\boxed{\sqrt{9}}", label="3"),
+            _sample(r"\boxed{\frac{6}{2}}", label="3"),
+            _sample(r"\boxed{x}", label="3"),
+        ]
+    ]
     RewardModel("math", timeout_s=5).score(gs)
     assert _rewards(gs) == [[1.0, 1.0, 0.0]]
 
@@ -341,7 +355,15 @@ def test_reward_model_math_batches_symbolic_checks():
 def test_usable_labels():
     from vime_core.rewards import usable_labels
 
-    assert usable_labels(["5", "-3/4", r"\frac{1}{2}", r"\frac{1}{", "}{", "???", "1e3"]) == [True, True, True, False, False, False, True]
+    assert usable_labels(["5", "-3/4", r"\frac{1}{2}", r"\frac{1}{", "}{", "???", "1e3"]) == [
+        True,
+        True,
+        True,
+        False,
+        False,
+        False,
+        True,
+    ]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -350,8 +372,11 @@ def test_usable_labels():
 def test_nan_reward_names_function_and_sample():
     s = _sample("x", label="42")
     s.metadata["index"] = 17
-    with pytest.raises(ValueError, match=rf"reward function {HELPERS}:nan_reward returned nan for the sample of prompt 17 "
-                                         r"\(group 0, label '42'\): rewards must be finite"):
+    with pytest.raises(
+        ValueError,
+        match=rf"reward function {HELPERS}:nan_reward returned nan for the sample of prompt 17 "
+        r"\(group 0, label '42'\): rewards must be finite",
+    ):
         RewardModel(f"{HELPERS}:nan_reward").score([[s]])
 
 
@@ -364,8 +389,11 @@ def test_inf_group_reward_is_refused(groups):
 def test_custom_reward_time_limit(fn):
     s = _sample("x", label="7")
     s.metadata["index"] = 3
-    with pytest.raises(TimeoutError, match=rf"reward function {HELPERS}:{fn} took more than rollout.reward_timeout_s = 0.3 s "
-                                           r"on the sample of prompt 3"):
+    with pytest.raises(
+        TimeoutError,
+        match=rf"reward function {HELPERS}:{fn} took more than rollout.reward_timeout_s = 0.3 s "
+        r"on the sample of prompt 3",
+    ):
         RewardModel(f"{HELPERS}:{fn}", timeout_s=0.3).score([[s]])
 
 
@@ -374,13 +402,17 @@ def test_check_labels_counts_warns_and_refuses_all_bad(caplog):
     from vime_core.rewards import usable_labels
 
     def ps(*labels):
-        return PromptSet("data/x.jsonl", [Prompt(index=i, prompt_ids=[1], prompt="p", label=lab) for i, lab in enumerate(labels)])
+        return PromptSet(
+            "data/x.jsonl", [Prompt(index=i, prompt_ids=[1], prompt="p", label=lab) for i, lab in enumerate(labels)]
+        )
 
     with caplog.at_level("WARNING"):
         assert check_labels(ps("5", r"\frac{1}{", "7"), usable_labels, "answer") == 1
     assert "1 of 3 labels (field 'answer') cannot be read" in caplog.text and r"row 2: '\\frac{1}{'" in caplog.text
     assert check_labels(ps("5", "6"), usable_labels, "answer") == 0
-    with pytest.raises(DatasetError, match=r"dataset data/x.jsonl: none of its 2 labels \(field 'answer', data.label_key\)"):
+    with pytest.raises(
+        DatasetError, match=r"dataset data/x.jsonl: none of its 2 labels \(field 'answer', data.label_key\)"
+    ):
         check_labels(ps("}{", "???"), usable_labels, "answer")
 
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from tests.conftest import tiny_config
+from tests.helpers.tiny import tiny_config
 from vime_core.data import DataBuffer, Prompt, PromptSet
 from vime_core.rollout import GenerateContext, Generation, SamplingSpec, assign_groups, collect_rollout, request_seed
 from vime_core.sample import Sample
@@ -43,10 +43,21 @@ class FakeRouter:
         for r in requests:
             idx = r.template.metadata["index"]
             good = self.pattern(idx)  # how many of the n samples are right
-            groups.append([Sample(group_id=r.template.group_id, prompt_ids=r.template.prompt_ids, label=r.template.label,
-                                  metadata=dict(r.template.metadata), response_ids=[1, 2, 3], rollout_logprobs=[-0.1] * 3,
-                                  finish_reason="stop", response=f"\\boxed{{{r.template.label if k < good else 'x'}}}")
-                           for k in range(spec.n)])
+            groups.append(
+                [
+                    Sample(
+                        group_id=r.template.group_id,
+                        prompt_ids=r.template.prompt_ids,
+                        label=r.template.label,
+                        metadata=dict(r.template.metadata),
+                        response_ids=[1, 2, 3],
+                        rollout_logprobs=[-0.1] * 3,
+                        finish_reason="stop",
+                        response=f"\\boxed{{{r.template.label if k < good else 'x'}}}",
+                    )
+                    for k in range(spec.n)
+                ]
+            )
         return groups
 
 
@@ -62,23 +73,39 @@ def buffer(n=64):
 
 
 def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
-    cfg = tiny_config(tmp_path, "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
-                      "rollout.dynamic_sampling=true", "rollout.over_sampling_batch_size=4")
+    cfg = tiny_config(
+        tmp_path,
+        "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=4",
+        "train.global_batch_size=16",
+        "rollout.dynamic_sampling=true",
+        "rollout.over_sampling_batch_size=4",
+    )
     # prompts with an even index get 2 of 4 right (informative), odd ones 0 of 4 (no signal)
     router = FakeRouter(lambda i: 2 if i % 2 == 0 else 0)
     groups, metrics, consumed = collect_rollout(0, cfg, buffer(), router, MathReward())
     assert len(groups) == 4 and all(len(g) == 4 for g in groups)
     assert all(len({s.reward for s in g}) > 1 for g in groups)
     assert [g[0].group_id for g in groups] == [0, 1, 2, 3]
-    assert metrics["rollout/dynamic_sampling/attempts"] == 2.0 and metrics["rollout/dynamic_sampling/dropped_groups"] == 4.0
+    assert (
+        metrics["rollout/dynamic_sampling/attempts"] == 2.0
+        and metrics["rollout/dynamic_sampling/dropped_groups"] == 4.0
+    )
     assert consumed == list(range(8))  # two attempts of 4 prompts, in order
     assert metrics["rollout/zero_std_ratio"] == 0.5 and metrics["rollout/raw_reward"] == pytest.approx(0.25)
     assert router.calls[0] == "reset_prefix_cache"
 
 
 def test_dynamic_sampling_fills_a_shortfall_with_dropped_groups(tmp_path):
-    cfg = tiny_config(tmp_path, "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
-                      "rollout.dynamic_sampling=true", "rollout.over_sampling_batch_size=4", "rollout.max_sampling_attempts=2")
+    cfg = tiny_config(
+        tmp_path,
+        "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=4",
+        "train.global_batch_size=16",
+        "rollout.dynamic_sampling=true",
+        "rollout.over_sampling_batch_size=4",
+        "rollout.max_sampling_attempts=2",
+    )
     router = FakeRouter(lambda i: 1 if i == 0 else 4)  # only prompt 0 is informative
     groups, metrics, _ = collect_rollout(0, cfg, buffer(), router, MathReward())
     assert len(groups) == 4 and metrics["rollout/dynamic_sampling/shortfall"] == 3.0
@@ -86,7 +113,9 @@ def test_dynamic_sampling_fills_a_shortfall_with_dropped_groups(tmp_path):
 
 
 def test_without_dynamic_sampling_one_pass_is_used(tmp_path):
-    cfg = tiny_config(tmp_path, "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=16")
+    cfg = tiny_config(
+        tmp_path, "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=16"
+    )
     router = FakeRouter(lambda i: 0)
     groups, metrics, consumed = collect_rollout(3, cfg, buffer(), router, MathReward())
     assert len(groups) == 4 and consumed == [0, 1, 2, 3] and metrics["rollout/zero_std_ratio"] == 1.0
@@ -152,6 +181,15 @@ def test_engine_kwargs_choose_processed_logprobs_and_executor():
     assert cpu["enable_chunked_prefill"] is False and cpu["enforce_eager"]
     one = engine_kwargs(EngineOptions(model_path="m", dtype="bfloat16", max_model_len=512, seed=1, platform="cuda"))
     assert "distributed_executor_backend" not in one and "kv_cache_memory_bytes" not in one
-    two = engine_kwargs(EngineOptions(model_path="m", dtype="bfloat16", max_model_len=512, seed=1, platform="cuda",
-                                      tensor_parallel_size=2, sleep_mode=True))
+    two = engine_kwargs(
+        EngineOptions(
+            model_path="m",
+            dtype="bfloat16",
+            max_model_len=512,
+            seed=1,
+            platform="cuda",
+            tensor_parallel_size=2,
+            sleep_mode=True,
+        )
+    )
     assert two["distributed_executor_backend"] == "mp" and two["enable_sleep_mode"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.tiny import REPO
 
 pytestmark = pytest.mark.e2e
 
@@ -49,11 +49,26 @@ def test_a_local_run_listens_on_loopback_only(tmp_path):
     import psutil
 
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    args = [str(VIME), "train", "-c", "configs/tiny-cpu.yaml", "--set", f"output_dir={tmp_path / 'run'}",
-            "--set", "rollout.num_rollout=2", "--set", "checkpoint.save_interval=1", "--set", "eval.datasets=[]",
-            "--set", "tracking.enabled=false"]
+    args = [
+        str(VIME),
+        "train",
+        "-c",
+        "configs/tiny-cpu.yaml",
+        "--set",
+        f"output_dir={tmp_path / 'run'}",
+        "--set",
+        "rollout.num_rollout=2",
+        "--set",
+        "checkpoint.save_interval=1",
+        "--set",
+        "eval.datasets=[]",
+        "--set",
+        "tracking.enabled=false",
+    ]
     log = tmp_path / "train.log"
-    proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     seen: set[tuple[str, str, int]] = set()
     sessions: set[str] = set()
     root = psutil.Process(proc.pid)

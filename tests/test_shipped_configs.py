@@ -14,35 +14,49 @@ import pytest
 import yaml
 
 from vime_core.builtin import RECIPES
-from vime_core.config import ModelArch, RunConfig, check_model_compat, load_config
+from vime_core.config import ConfigError, RunConfig, load_config
+from vime_core.models import Qwen3Arch, arch_from_hf_config, check_model_compat
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 INFRA = REPO / "infra"
 DOCKERFILES = [INFRA / "Dockerfile.cuda", INFRA / "Dockerfile.rocm"]
 ROCM_CONFIG = REPO / "configs" / "qwen3-8b-rocm-colocate.yaml"
-QWEN3_GPU_CONFIGS = [REPO / "configs" / n for n in ("qwen3-8b-rocm-colocate.yaml", "qwen3-4b-cuda.yaml", "qwen3-30b-a3b.yaml")]
+QWEN3_GPU_CONFIGS = [
+    REPO / "configs" / n for n in ("qwen3-8b-rocm-colocate.yaml", "qwen3-4b-cuda.yaml", "qwen3-30b-a3b.yaml")
+]
 
-# Architecture facts of the Qwen3 checkpoints the configs name, from their public config.json on the Hugging Face Hub
-# (num_attention_heads, num_key_value_heads, num_hidden_layers, vocab_size, num_experts):
-#   Qwen/Qwen3-8B:       32 heads, 8 KV heads, 36 layers, vocab 151936, dense
-#   Qwen/Qwen3-4B:       32 heads, 8 KV heads, 36 layers, vocab 151936, dense
-#   Qwen/Qwen3-30B-A3B:  32 heads, 4 KV heads, 48 layers, vocab 151936, 128 experts (8 per token)
-HF_ARCH: dict[str, ModelArch] = {
-    "Qwen/Qwen3-8B": ModelArch(
-        model_type="qwen3", num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=36, vocab_size=151936
-    ),
-    "Qwen/Qwen3-4B": ModelArch(
-        model_type="qwen3", num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=36, vocab_size=151936
-    ),
-    "Qwen/Qwen3-30B-A3B": ModelArch(
-        model_type="qwen3_moe",
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        num_hidden_layers=48,
-        vocab_size=151936,
-        num_experts=128,
-    ),
+# Architecture facts of the Qwen3 checkpoints the configs name, from their public config.json on the Hugging Face Hub:
+#   Qwen/Qwen3-8B:       hidden 4096, 32 heads, 8 KV heads, 36 layers, MLP 12288, vocab 151936, dense
+#   Qwen/Qwen3-4B:       hidden 2560, 32 heads, 8 KV heads, 36 layers, MLP 9728, vocab 151936, dense
+#   Qwen/Qwen3-30B-A3B:  hidden 2048, 32 heads, 4 KV heads, 48 layers, vocab 151936, 128 experts of MLP 768 (8 per token)
+_QWEN3 = {"model_type": "qwen3", "num_attention_heads": 32, "head_dim": 128, "vocab_size": 151936, "rope_theta": 1e6}
+HF_CONFIG: dict[str, dict] = {
+    "Qwen/Qwen3-8B": {
+        **_QWEN3,
+        "hidden_size": 4096,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 36,
+        "intermediate_size": 12288,
+    },
+    "Qwen/Qwen3-4B": {
+        **_QWEN3,
+        "hidden_size": 2560,
+        "num_key_value_heads": 8,
+        "num_hidden_layers": 36,
+        "intermediate_size": 9728,
+    },
+    "Qwen/Qwen3-30B-A3B": {
+        **_QWEN3,
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 48,
+        "intermediate_size": 6144,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+    },
 }
 
 OFFLINE_VARS = {
@@ -56,22 +70,33 @@ NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 NOSET_HIP = "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"
 
 
-def arch_for(source: str) -> ModelArch:
+def arch_for(source: str) -> Qwen3Arch:
     """The architecture of the model a config names (builtin recipes are read, HF checkpoints looked up above)."""
     if source.startswith("builtin://"):
         r = RECIPES[source.removeprefix("builtin://")]
-        return ModelArch(
-            model_type="qwen3_moe" if r.moe else "qwen3",
-            num_attention_heads=r.num_heads,
-            num_key_value_heads=r.num_kv_heads,
-            num_hidden_layers=r.num_layers,
-            vocab_size=r.vocab_size,
-            num_experts=r.num_experts if r.moe else 0,
-        )
+        hf = {
+            "model_type": "qwen3",
+            "hidden_size": r.hidden_size,
+            "num_attention_heads": r.num_heads,
+            "num_key_value_heads": r.num_kv_heads,
+            "head_dim": r.head_dim,
+            "num_hidden_layers": r.num_layers,
+            "intermediate_size": r.intermediate_size,
+            "vocab_size": r.vocab_size,
+            "rope_theta": r.rope_theta,
+        }
+        if r.moe:
+            hf.update(
+                model_type="qwen3_moe",
+                num_experts=r.num_experts,
+                num_experts_per_tok=r.experts_per_token,
+                moe_intermediate_size=r.intermediate_size,
+            )
+        return arch_from_hf_config(hf)
     assert source.startswith("hf://"), f"shipped configs should name builtin:// or hf:// models, got {source}"
     repo = source.removeprefix("hf://").split("@", 1)[0]
-    assert repo in HF_ARCH, f"{repo}: add its config.json facts to HF_ARCH in this test"
-    return HF_ARCH[repo]
+    assert repo in HF_CONFIG, f"{repo}: add its config.json facts to HF_CONFIG in this test"
+    return arch_from_hf_config(HF_CONFIG[repo])
 
 
 def dockerfile_env(path: Path) -> dict[str, str]:
@@ -101,11 +126,17 @@ def test_config_validates_and_fits_its_model(path: Path):
     cfg = load_config(path)
     assert isinstance(cfg, RunConfig)
     check_model_compat(cfg, arch_for(cfg.model.source))
-    # the invariants the loop relies on, restated
-    assert cfg.samples_per_rollout % cfg.train.global_batch_size == 0
+    # the invariants the loop relies on are refused when broken, not merely true of the shipped files (restating
+    # them after load_config could never fail: loading checks them)
+    breaks = [
+        f"train.global_batch_size={cfg.samples_per_rollout + 1}",
+        f"eval.pass_k={cfg.eval.n_samples_per_eval_prompt + 1}",
+    ]
     if cfg.cluster.colocate:
-        assert cfg.train.num_devices == cfg.rollout_devices
-    assert cfg.eval.pass_k <= cfg.eval.n_samples_per_eval_prompt
+        breaks.append(f"train.num_devices={2 * cfg.rollout_devices}")
+    for override in breaks:
+        with pytest.raises(ConfigError, match=re.escape(override.split("=")[0])):
+            load_config(path, [override])
     # one sample of maximal length fits a micro-batch
     longest = cfg.data.max_prompt_len + cfg.rollout.max_response_len
     assert cfg.train.max_tokens_per_device >= longest, (path.name, cfg.train.max_tokens_per_device, longest)
@@ -120,10 +151,17 @@ def test_gpu_configs_follow_vime_qwen3_defaults(path: Path):
     assert cfg.rollout.temperature == 1.0
     t = cfg.train
     assert (t.lr, t.lr_schedule, t.weight_decay, t.adam_beta1, t.adam_beta2, t.clip_grad) == (
-        1e-6, "constant", 0.1, 0.9, 0.98, 1.0
+        1e-6,
+        "constant",
+        0.1,
+        0.9,
+        0.98,
+        1.0,
     )
     assert (cfg.grpo.eps_clip, cfg.grpo.eps_clip_high) == (0.2, 0.28)
-    assert not t.sequence_parallel  # vime's value is true; not supported with the local layer spec (see config.py)
+    assert (
+        not t.sequence_parallel
+    )  # vime's value is true; not supported with the local layer spec (see config/train_schema.py)
     assert (cfg.data.prompt_key, cfg.data.label_key) == ("prompt", "label")
     assert [d.name for d in cfg.eval.datasets] == ["aime-2024"]
     assert cfg.eval.n_samples_per_eval_prompt == 16 and cfg.eval.pass_k == 16
@@ -150,7 +188,11 @@ def test_disaggregated_and_moe_layouts():
     assert not cuda.cluster.colocate and cuda.cluster.platform == "cuda"
     assert (cuda.train.num_devices, cuda.train.tensor_parallel_size, cuda.train.data_parallel_size) == (4, 2, 2)
     assert (cuda.rollout.num_engines, cuda.rollout.engine_tensor_parallel_size) == (4, 1)
-    assert (cuda.rollout.rollout_batch_size, cuda.rollout.max_response_len, cuda.train.global_batch_size) == (32, 8192, 256)
+    assert (cuda.rollout.rollout_batch_size, cuda.rollout.max_response_len, cuda.train.global_batch_size) == (
+        32,
+        8192,
+        256,
+    )
 
     moe = load_config(REPO / "configs" / "qwen3-30b-a3b.yaml")
     assert moe.cluster.colocate and moe.train.num_devices == 8
@@ -206,8 +248,15 @@ def test_dockerfile_sets_offline_and_noset_variables(path: Path):
 
 def test_rocm_dockerfile_documents_device_flags_and_installs_amdsmi():
     text = (INFRA / "Dockerfile.rocm").read_text()
-    for flag in ("--ulimit nofile=1048576:1048576", "--device /dev/kfd", "--device /dev/dri", "--group-add video",
-                 "--ipc host", "--shm-size 16g", "HIP_VISIBLE_DEVICES"):
+    for flag in (
+        "--ulimit nofile=1048576:1048576",
+        "--device /dev/kfd",
+        "--device /dev/dri",
+        "--group-add video",
+        "--ipc host",
+        "--shm-size 16g",
+        "HIP_VISIBLE_DEVICES",
+    ):
         assert flag in text, flag
     assert "amdsmi" in text and "amd_smi" in text
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers.tiny import REPO
+from vime_core.ports import free_port
 
 HF_REPO = "vime-test/tiny-qwen3"
 
@@ -26,8 +27,16 @@ def hub_cache(tmp_path_factory, dense_model_dir):
     server, url = serve(HF_REPO, dense_model_dir)
     try:
         script = "import sys; from huggingface_hub import snapshot_download; print(snapshot_download(sys.argv[1]))"
-        env = {**os.environ, "HF_ENDPOINT": url, "HF_HOME": str(hf_home), "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0"}
-        r = subprocess.run([sys.executable, "-c", script, HF_REPO], env=env, capture_output=True, text=True, timeout=120)
+        env = {
+            **os.environ,
+            "HF_ENDPOINT": url,
+            "HF_HOME": str(hf_home),
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_HUB_OFFLINE": "0",
+        }
+        r = subprocess.run(
+            [sys.executable, "-c", script, HF_REPO], env=env, capture_output=True, text=True, timeout=120
+        )
         assert r.returncode == 0, r.stderr
     finally:
         server.shutdown()
@@ -36,18 +45,28 @@ def hub_cache(tmp_path_factory, dense_model_dir):
 
 def run_offline(hf_home: Path, code: str) -> subprocess.CompletedProcess:
     """Run `code` with the hub unreachable and HF_HUB_OFFLINE=1 (read by huggingface_hub at import)."""
-    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9",
-           "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "HF_HOME": str(hf_home),
+        "HF_HUB_OFFLINE": "1",
+        "HF_ENDPOINT": "http://127.0.0.1:9",
+        "PYTHONPATH": str(REPO),
+    }
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_download_model_reads_the_hub_cache_offline(hub_cache, dense_model_dir):
-    r = run_offline(hub_cache, f"""
+    r = run_offline(
+        hub_cache,
+        f"""
         import json
         from tasks.download import download_model
         print(json.dumps(download_model.fn("hf://{HF_REPO}")))
         print(json.dumps(download_model.fn("hf://{HF_REPO}@main")))
-    """)
+    """,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     first, second = (json.loads(line) for line in r.stdout.strip().splitlines()[-2:])
     path = Path(first["path"])
@@ -58,20 +77,26 @@ def test_download_model_reads_the_hub_cache_offline(hub_cache, dense_model_dir):
 
 
 def test_download_of_an_uncached_repo_offline_says_what_to_do(hub_cache):
-    r = run_offline(hub_cache, """
+    r = run_offline(
+        hub_cache,
+        """
         from tasks.download import download_model
         download_model.fn("hf://vime-test/not-there")
-    """)
+    """,
+    )
     assert r.returncode != 0
     assert "not in the local hub cache" in r.stderr and "HF_HUB_OFFLINE=1" in r.stderr
 
 
-@pytest.mark.parametrize("source, message", [
-    ("s3://bucket/model", "unknown model source scheme"),
-    ("/nonexistent/model/dir", "does not exist"),
-    ("builtin://no-such-model", "unknown builtin model"),
-    ("hf://just-a-name", "expected <org>/<name>"),
-])
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("s3://bucket/model", "unknown model source scheme"),
+        ("/nonexistent/model/dir", "does not exist"),
+        ("builtin://no-such-model", "unknown builtin model"),
+        ("hf://just-a-name", "expected <org>/<name>"),
+    ],
+)
 def test_bad_model_sources_fail_with_a_fix(source, message):
     from vime_core.sources import SourceError, resolve_model
 
@@ -120,7 +145,9 @@ def test_champion_moves_only_when_heldout_improves(registry, dense_model_dir):
     assert client.get_model_version("vime-test", "2").tags["vime.promotion"] == outcomes[1]["reason"]
 
 
-def test_mlflow_source_downloads_the_champion_and_names_missing_aliases(registry, dense_model_dir, monkeypatch, tmp_path):
+def test_mlflow_source_downloads_the_champion_and_names_missing_aliases(
+    registry, dense_model_dir, monkeypatch, tmp_path
+):
     from vime_core.sources import SourceError, resolve_model
     from vime_core.tracking import register_model
 
@@ -150,16 +177,13 @@ def test_mlflow_source_uses_the_given_registry_without_env(registry, dense_model
 
 
 def test_unreachable_tracking_server_fails_fast_and_touches_nothing(tmp_path):
-    import socket
     import time
 
     from tasks.tracking import start_tracking
-    from tests.conftest import tiny_config
+    from tests.helpers.tiny import tiny_config
     from vime_core.tracking import TrackingError
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    port = free_port()  # nothing listens there
     cfg = tiny_config(tmp_path / "run", f"tracking.uri=http://127.0.0.1:{port}")
     cfg.save_dir.mkdir(parents=True)
     (cfg.save_dir / "latest").write_text("iter_0000003")

@@ -36,11 +36,6 @@ def group_advantages(rewards: Tensor, group_size: int, normalize_std: bool = Tru
     return torch.where(constant, torch.zeros_like(centred), centred).reshape(-1)
 
 
-def group_reward_std(rewards: Tensor, group_size: int) -> Tensor:
-    r = rewards.double().reshape(-1, group_size)
-    return r.std(dim=1) if group_size > 1 else torch.zeros(r.shape[0], dtype=torch.float64)
-
-
 def clipped_surrogate(
     ratio: Tensor, advantages: Tensor, eps_clip: float, eps_clip_high: float, dual_clip_c: float | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -137,7 +132,9 @@ def per_sample_mean(x: Tensor, sample_ids: Tensor, num_samples: int, mask: Tenso
     return per_sample_sum(x, sample_ids, num_samples) / counts.clamp(min=1)
 
 
-def aggregate(x: Tensor, sample_ids: Tensor, num_samples: int, mode: str, denominator: float, mask: Tensor | None = None) -> Tensor:
+def aggregate(
+    x: Tensor, sample_ids: Tensor, num_samples: int, mode: str, denominator: float, mask: Tensor | None = None
+) -> Tensor:
     """Sum of this micro-batch's share of the loss; `x` is the masked per-token loss.
 
     `sample_mean`: sum over samples of each sample's mean over its trained (mask = 1) tokens, divided by

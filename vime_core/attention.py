@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from vime_core.memory import to_device
+
 # a group of samples may pad up to 25% more tokens than it holds before a new group (one more SDPA call) starts
 PAD_SLACK = 1.25
 _NO_FUSED_GQA: set = set()  # (dtype, head_dim, unmasked) for which no fused CUDA kernel accepted enable_gqa
@@ -80,8 +82,15 @@ def varlen_layout(seq_lens: list[int], device: torch.device | str) -> VarlenLayo
         for row, i in enumerate(members):
             src += range(starts[i], starts[i] + seq_lens[i])
             dst += range(row * width, row * width + seq_lens[i])
-        layout.groups.append(SeqGroup(len(members), width, starts[members[0]], torch.tensor(src, device=device),
-                                      torch.tensor(dst, device=device)))
+        layout.groups.append(
+            SeqGroup(
+                len(members),
+                width,
+                starts[members[0]],
+                to_device(src, torch.long, device),
+                to_device(dst, torch.long, device),
+            )
+        )
     return layout
 
 
@@ -105,12 +114,15 @@ def _cumsum(xs: list[int]):
         yield total
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, mask: torch.Tensor | None = None):
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, mask: torch.Tensor | None = None
+):
     """q [b, h, s, d], k/v [b, g, s, d] with h a multiple of g (GQA)."""
     rep = q.size(1) // k.size(1)
     if not q.is_cuda:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale,
-                                              enable_gqa=rep > 1)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=rep > 1
+        )
     return _sdpa_cuda(q, k, v, scale, causal, mask, rep)
 
 
@@ -125,8 +137,9 @@ def _sdpa_cuda(q, k, v, scale: float, causal: bool, mask, rep: int):
     with sdpa_kernel(fused):
         if rep > 1 and q.dtype in (torch.float16, torch.bfloat16) and key not in _NO_FUSED_GQA:
             try:
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None,
-                                                      scale=scale, enable_gqa=True)
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale, enable_gqa=True
+                )
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError:  # no fused kernel takes GQA for these inputs: repeat heads from now on
@@ -136,7 +149,9 @@ def _sdpa_cuda(q, k, v, scale: float, causal: bool, mask, rep: int):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scale)
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout, scale: float) -> torch.Tensor:
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout, scale: float
+) -> torch.Tensor:
     """Causal attention within each sample of a packed row. q [t, h, d], k/v [t, g, d] -> [t, h, d]."""
     t = q.size(0)
     outs, srcs = [], []
@@ -161,8 +176,17 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: 
 class SDPAttention(torch.nn.Module):
     """Drop-in `core_attention` for megatron's local spec, built on torch SDPA. Dropout must be 0 (the trainer's)."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, attention_dropout: float | None = None,
-                 softmax_scale: float | None = None, cp_comm_type: str | None = None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
         super().__init__()
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.utils import divide
@@ -186,8 +210,16 @@ class SDPAttention(torch.nn.Module):
         # fp32 softmax: the logits are the same, so it has no counterpart here
         self.softmax_scale = 1.0 / math.sqrt(self.head_dim) if softmax_scale is None else softmax_scale
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-                attn_mask_type=None, attention_bias: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type=None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("SDPAttention: attention_bias is not supported")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":

@@ -18,12 +18,13 @@ import json
 import logging
 import os
 import random
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 from urllib.parse import parse_qs, urlparse
+
+from vime_core.fsutil import replacing_dir
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,11 @@ def arith_rows(split: str = "train", size: int | None = None, seed: int = 0) -> 
     if size is not None:
         probs = probs[:size]
     return [
-        {"prompt": [{"role": "user", "content": prompt_text(p)}], "label": str(p.answer), "metadata": {"problem": p.text}}
+        {
+            "prompt": [{"role": "user", "content": prompt_text(p)}],
+            "label": str(p.answer),
+            "metadata": {"problem": p.text},
+        }
         for p in probs
     ]
 
@@ -174,9 +179,7 @@ class ModelRecipe:
 
 RECIPES: dict[str, ModelRecipe] = {
     "tiny-qwen3-arith": ModelRecipe(name="tiny-qwen3-arith"),
-    "tiny-qwen3moe-arith": ModelRecipe(
-        name="tiny-qwen3moe-arith", moe_base="tiny-qwen3-arith", max_warmup_steps=0
-    ),
+    "tiny-qwen3moe-arith": ModelRecipe(name="tiny-qwen3moe-arith", moe_base="tiny-qwen3-arith", max_warmup_steps=0),
 }
 
 
@@ -194,11 +197,9 @@ def builtin_model_path(name: str) -> Path:
     with FileLock(str(target) + ".lock"):
         if (target / "vime_builtin.json").exists():
             return target
-        tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
         log.info("building %s (first use; cached in %s)", name, target)
-        build_model(recipe, tmp)
-        os.replace(tmp, target)
+        with replacing_dir(target) as tmp:
+            build_model(recipe, tmp)
     return target
 
 
@@ -279,7 +280,9 @@ def _encode_examples(tok, probs: list[Problem]) -> list[tuple[list[int], int]]:
     """(token ids of prompt+response+EOS, prompt length) per problem."""
     out = []
     for p in probs:
-        prompt = tok.apply_chat_template([{"role": "user", "content": prompt_text(p)}], add_generation_prompt=True, tokenize=False)
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": prompt_text(p)}], add_generation_prompt=True, tokenize=False
+        )
         ids_p = tok(prompt, add_special_tokens=False)["input_ids"]
         ids_r = tok(response_text(p), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         out.append((ids_p + ids_r, len(ids_p)))
@@ -293,7 +296,12 @@ def sampled_accuracy(model, tok, probs: list[Problem], max_new_tokens: int = 48,
     from vime_core.rewards import math_reward
 
     model.eval()
-    enc = [tok.apply_chat_template([{"role": "user", "content": prompt_text(p)}], add_generation_prompt=True, tokenize=False) for p in probs]
+    enc = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": prompt_text(p)}], add_generation_prompt=True, tokenize=False
+        )
+        for p in probs
+    ]
     tok.padding_side = "left"
     batch = tok(enc, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(seed)
@@ -407,4 +415,6 @@ def _sft_loss(model, batch: list[tuple[list[int], int]], pad_id: int):
         input_ids[i, : len(ids)] = torch.tensor(ids)
         labels[i, plen : len(ids)] = torch.tensor(ids[plen:])
     logits = model(input_ids=input_ids).logits[:, :-1]
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+    )

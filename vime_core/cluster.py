@@ -9,10 +9,10 @@ On CPU the "devices" are processes: one bundle of one logical CPU per trainer ra
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
 import shutil
-import socket
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -23,6 +23,8 @@ from vime_core.config import RunConfig
 from vime_core.errors import ActorTimeoutError, VimeError
 from vime_core.orphans import remove_on_death
 from vime_core.platform import LOCAL_RAY_ENV, apply_offline_env, raise_fd_limit, worker_env
+from vime_core.ports import free_port
+from vime_core.rpc import gather
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,18 @@ class _LocalRay:
 _local = _LocalRay()
 
 
+# A vime_core.early_ray.EarlyStart while `vime train` starts Ray and the actors in a background thread: init_ray
+# waits for it, make_placement / create_trainers / create_engines take what it prestarted (when it matches).
+early_start: Any = None
+
+
 def init_ray(cfg: RunConfig, platform: str) -> None:
+    if early_start is not None and early_start.wait():  # started in the background (raises its error)
+        return
+    init_ray_now(cfg, platform)
+
+
+def init_ray_now(cfg: RunConfig, platform: str) -> None:
     if "ray" in sys.modules and sys.modules["ray"].is_initialized():
         return
     address = cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS")
@@ -109,11 +122,17 @@ def local_cpus(cfg: RunConfig) -> int:
 def shutdown_ray() -> None:
     """Stop Ray; for a local one also remove its session dir under /tmp/ray (logs: set VIME_KEEP_RAY_SESSION=1 to
     keep them) and the actors' temporary dir, and restore the loopback variables."""
+    global early_start
+    early, early_start = early_start, None
+    if early is not None:  # started in the background: let it finish starting before stopping it
+        early.started.wait()
     import ray
 
     ray_procs = _ray_descendants() if _local.session_dir else []
     if ray.is_initialized():
         ray.shutdown()
+    if early is not None:
+        early.release.set()
     if ray_procs:  # they still write logs and sockets for a moment after ray.shutdown() returns
         import psutil
 
@@ -146,13 +165,31 @@ def _descendants() -> list:
 
 
 def _ray_descendants() -> list:
-    """The descendants started since ray.init, except the orphan watchdog: a local Ray's gcs, raylet, agents and
-    workers. Children that existed before (vime-pipeline's temporary Prefect server) are not Ray's to stop: killing
-    it made the train task loop on `Connection refused`."""
+    """A local Ray's processes: the children started since ray.init that run Ray's own programs (gcs_server, raylet,
+    dashboard, monitors: all files of the ray package) and every descendant of those (agents, workers, actors and
+    their helpers). Other children are not Ray's to stop: the orphan watchdog, vime-pipeline's temporary Prefect
+    server (killing it made the train task loop on `Connection refused`), and the math-verify workers, which
+    started after ray.init but do not exit with Ray: waiting for them cost 10 of the 47 s of `vime train`."""
+    import ray
+
     from vime_core.orphans import watchdog_pid
 
     skip = _local.preexisting | {watchdog_pid()}
-    return [p for p in _descendants() if p.pid not in skip]
+    ray_dir = os.path.dirname(ray.__file__)
+    out = []
+    try:
+        import psutil
+
+        for child in psutil.Process().children():
+            try:
+                if child.pid in skip or not any(ray_dir in arg for arg in child.cmdline()):
+                    continue
+                out += [child, *child.children(recursive=True)]
+            except psutil.Error:  # gone meanwhile
+                continue
+    except Exception:  # psutil missing
+        return []
+    return out
 
 
 def _write_ray_bootstrap_config() -> None:
@@ -183,18 +220,27 @@ class Placement:
         return [int(self.bundle_devices[b]) for b in bundles] if self.gpu else []
 
 
-def placement_problem(cfg: RunConfig, platform: str, have_cpus: float, have_gpus: float, engines_only: bool = False) -> str | None:
+def placement_problem(
+    cfg: RunConfig, platform: str, have_cpus: float, have_gpus: float, engines_only: bool = False
+) -> str | None:
     """Why the bundles of `cfg` cannot fit into `have_cpus` / `have_gpus`, or None: one bundle of one device (GPU, or
     a logical CPU on the CPU platform) per trainer rank, and per engine device unless colocated."""
     n_train = 0 if engines_only else cfg.train.num_devices
     colocate = cfg.cluster.colocate and not engines_only
     need = n_train if colocate else n_train + cfg.rollout_devices
-    what = (f"train.num_devices = {n_train}" + ("" if colocate else f" + rollout.num_engines x engine_tensor_parallel_size "
-            f"= {cfg.rollout_devices}") + (" (colocated)" if colocate else ""))
+    what = (
+        f"train.num_devices = {n_train}"
+        + ("" if colocate else f" + rollout.num_engines x engine_tensor_parallel_size = {cfg.rollout_devices}")
+        + (" (colocated)" if colocate else "")
+    )
     if platform != "cpu" and need > have_gpus:
         return f"{what} needs {need} GPU(s); this cluster has {have_gpus:g}. Lower those sizes or set cluster.colocate=true"
     if need > have_cpus:
-        fix = "Raise cluster.num_cpus (logical CPUs of the local Ray) or lower those sizes" if platform == "cpu" else "Add CPUs"
+        fix = (
+            "Raise cluster.num_cpus (logical CPUs of the local Ray) or lower those sizes"
+            if platform == "cpu"
+            else "Add CPUs"
+        )
         return f"{what} needs {need} CPU(s) for its bundles; Ray has {have_cpus:g}. {fix}"
     return None
 
@@ -204,6 +250,12 @@ def check_local_fit(cfg: RunConfig, platform: str, engines_only: bool = False) -
     PLACEMENT_TIMEOUT_S (180 s) for resources that never come. A joined cluster is checked in make_placement."""
     if cfg.cluster.ray_address or os.environ.get("RAY_ADDRESS"):
         return
+    custom = sorted({r for r in (cfg.cluster.trainer_resource, cfg.cluster.engine_resource) if r})
+    if custom:
+        raise ClusterError(
+            f"cluster.trainer_resource / engine_resource ask for {custom}, which only the nodes of a "
+            f"joined Ray cluster advertise; set cluster.ray_address (or RAY_ADDRESS), or leave them empty"
+        )
     gpus = 0
     if platform != "cpu":
         from vime_core.platform import device_facts
@@ -216,6 +268,9 @@ def check_local_fit(cfg: RunConfig, platform: str, engines_only: bool = False) -
 
 def make_placement(cfg: RunConfig, platform: str, engines_only: bool = False) -> Placement:
     """One bundle per device (see module doc); `engines_only` for evaluation without a trainer."""
+    got = early_start.take("placement", (id(cfg), platform, engines_only)) if early_start is not None else None
+    if got is not None:
+        return got
     import ray
     from ray.util.placement_group import placement_group
 
@@ -225,8 +280,14 @@ def make_placement(cfg: RunConfig, platform: str, engines_only: bool = False) ->
     unit = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
     colocate = cfg.cluster.colocate and not engines_only
     first_engine_bundle = 0 if colocate else n_train
-    bundles = [dict(unit) for _ in range(n_train if colocate else n_train + n_roll)]
-    engine_b = [list(range(first_engine_bundle + e * tp, first_engine_bundle + (e + 1) * tp)) for e in range(cfg.rollout.num_engines)]
+    pin = lambda name: {name: 1} if name else {}  # noqa: E731
+    bundles = bundle_specs(
+        unit, n_train, n_roll, colocate, pin(cfg.cluster.trainer_resource), pin(cfg.cluster.engine_resource)
+    )
+    engine_b = [
+        list(range(first_engine_bundle + e * tp, first_engine_bundle + (e + 1) * tp))
+        for e in range(cfg.rollout.num_engines)
+    ]
     have = ray.cluster_resources()
     problem = placement_problem(cfg, platform, have.get("CPU", 0), have.get("GPU", 0), engines_only)
     if problem:  # an autoscaling cluster may still grow: say so and wait
@@ -244,6 +305,16 @@ def make_placement(cfg: RunConfig, platform: str, engines_only: bool = False) ->
     return p
 
 
+def bundle_specs(
+    unit: dict, n_train: int, n_roll: int, colocate: bool, trainer_res: dict, engine_res: dict
+) -> list[dict]:
+    """Trainer bundles then engine bundles (colocated: one shared bundle per device, asking for both), each with the
+    custom resources that pin it to its nodes (cluster.trainer_resource / engine_resource)."""
+    if colocate:
+        return [unit | trainer_res | engine_res for _ in range(n_train)]
+    return [unit | trainer_res for _ in range(n_train)] + [unit | engine_res for _ in range(n_roll)]
+
+
 def _bundle_gpus(p: Placement, n: int) -> list[str]:
     """Which GPU each bundle holds, asked of a tiny task placed in it: actors get that id as their visible device
     (Ray is told not to rewrite visibility), which also lets an engine span the GPUs of several bundles."""
@@ -254,7 +325,13 @@ def _bundle_gpus(p: Placement, n: int) -> list[str]:
         return str(ray.get_gpu_ids()[0])
 
     refs = [gpu_id.options(scheduling_strategy=_strategy(p, b)).remote() for b in range(n)]
-    return gather(refs, [f"the GPU probe of bundle {b}" for b in range(n)], "its start", PLACEMENT_TIMEOUT_S, "cluster.PLACEMENT_TIMEOUT_S")
+    return gather(
+        refs,
+        [f"the GPU probe of bundle {b}" for b in range(n)],
+        "its start",
+        PLACEMENT_TIMEOUT_S,
+        "cluster.PLACEMENT_TIMEOUT_S",
+    )
 
 
 def _strategy(p: Placement, bundle: int):
@@ -263,13 +340,27 @@ def _strategy(p: Placement, bundle: int):
     return PlacementGroupSchedulingStrategy(placement_group=p.pg, placement_group_bundle_index=bundle)
 
 
-def _actor_env(platform: str, device_ids: list[int]) -> dict[str, str]:
+def _actor_env(
+    platform: str, device_ids: list[int], cfg: RunConfig | None = None, role: str = "train"
+) -> dict[str, str]:
+    from vime_core.schedule import cpu_threads
+
     env = worker_env(platform, device_ids)  # visible devices + Ray's NOSET variables + offline variables
     # megatron, vLLM and torch warn on every import about optional packages absent here; keep actor logs readable
-    env.setdefault("PYTHONWARNINGS", os.environ.get("VIME_ACTOR_WARNINGS", "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning"))
+    env.setdefault(
+        "PYTHONWARNINGS",
+        os.environ.get("VIME_ACTOR_WARNINGS", "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning"),
+    )
     if platform == "cpu":
-        # Ray sets OMP_NUM_THREADS=1 for 1-CPU actors; trainer and engines take turns, so each may use every core
-        env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+        # Ray sets OMP_NUM_THREADS=1 for 1-CPU actors; on-policy trainer and engines take turns, so each may use
+        # every core; with rollout.max_staleness > 0 they overlap and split the cores (schedule.cpu_threads)
+        cores = os.cpu_count() or 1
+        if cfg is not None:
+            explicit = cfg.train.cpu_threads if role == "train" else cfg.rollout.cpu_threads
+            cores = cpu_threads(
+                cores, cfg.rollout.max_staleness, role, cfg.train.num_devices, cfg.rollout.num_engines, explicit
+            )
+        env["OMP_NUM_THREADS"] = str(cores)
     if _local.tmp_dir is not None:
         # temporary files of the actors (vllm_dist_*, pymp-*) go to a dir that shutdown_ray removes, even when Ray
         # kills the actors before their own cleanup runs (see _actors_tmp_dir for torch's compile cache)
@@ -280,8 +371,6 @@ def _actor_env(platform: str, device_ids: list[int]) -> dict[str, str]:
 def _actors_tmp_dir() -> Path:
     """The actors' TMPDIR. torch's compile cache and precompiled headers live in $TMPDIR/torchinductor_<user>: a
     link to the shared one keeps them across runs (rmtree removes the link, not what it points to)."""
-    import getpass
-
     d = Path(tempfile.mkdtemp(prefix="vime-actors-"))
     shared = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
     shared.mkdir(exist_ok=True)
@@ -296,6 +385,9 @@ def _share(p: Placement) -> float:
 
 def create_engines(cfg: RunConfig, p: Placement, platform: str, model_path: str) -> list[Any]:
     """Engine actors; they start in the background (see `wait_ready`)."""
+    got = early_start.take("engines", (id(p), model_path)) if early_start is not None else None
+    if got is not None:
+        return got
     import ray
 
     from vime_core.rollout import EngineOptions, VLLMEngine
@@ -316,12 +408,16 @@ def create_engines(cfg: RunConfig, p: Placement, platform: str, model_path: str)
             custom_generate=cfg.rollout.custom_generate,
             sleep_mode=p.engines_sleep,
         )
-        actor = ray.remote(VLLMEngine).options(
-            num_cpus=0 if p.colocate else 1,
-            num_gpus=_share(p),
-            scheduling_strategy=_strategy(p, bundles[0]),
-            runtime_env={"env_vars": _actor_env(platform, p.devices(bundles))},
-        ).remote(opts)
+        actor = (
+            ray.remote(VLLMEngine)
+            .options(
+                num_cpus=0 if p.colocate else 1,
+                num_gpus=_share(p),
+                scheduling_strategy=_strategy(p, bundles[0]),
+                runtime_env={"env_vars": _actor_env(platform, p.devices(bundles), cfg, "rollout")},
+            )
+            .remote(opts)
+        )
         engines.append(actor)
     return engines
 
@@ -333,30 +429,41 @@ def master_address(p: Placement, bundle: int) -> tuple[str, int]:
     @ray.remote(num_cpus=0, num_gpus=0)
     def probe() -> tuple[str, int]:
         ip = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((ip, 0))
-            return ip, s.getsockname()[1]
+        return ip, free_port(ip)
 
     ref = probe.options(scheduling_strategy=_strategy(p, bundle)).remote()
-    return gather([ref], [f"the address probe of bundle {bundle}"], "its start", PLACEMENT_TIMEOUT_S, "cluster.PLACEMENT_TIMEOUT_S")[0]
+    return gather(
+        [ref],
+        [f"the address probe of bundle {bundle}"],
+        "its start",
+        PLACEMENT_TIMEOUT_S,
+        "cluster.PLACEMENT_TIMEOUT_S",
+    )[0]
 
 
-def create_trainers(cfg: RunConfig, p: Placement, platform: str, model_dir: str, init_checkpoint: str | None = None) -> list[Any]:
+def create_trainers(
+    cfg: RunConfig, p: Placement, platform: str, model_dir: str, init_checkpoint: str | None = None
+) -> list[Any]:
     """All trainer ranks, constructed concurrently (each joins the process group in __init__); they start in the
     background (see `wait_ready`)."""
+    got = early_start.take("trainers", (id(p), model_dir, init_checkpoint)) if early_start is not None else None
+    if got is not None:
+        return got
     import ray
 
-    from vime_core.train import Trainer
+    from vime_core.trainer import Trainer
 
     addr, port = master_address(p, p.trainer_bundles[0])
     world = len(p.trainer_bundles)
     actors = [
-        ray.remote(Trainer).options(
+        ray.remote(Trainer)
+        .options(
             num_cpus=1,
             num_gpus=_share(p),
             scheduling_strategy=_strategy(p, bundle),
-            runtime_env={"env_vars": _actor_env(platform, p.devices([bundle]))},
-        ).remote(cfg, model_dir, rank, world, addr, port, platform, init_checkpoint)
+            runtime_env={"env_vars": _actor_env(platform, p.devices([bundle]), cfg, "train")},
+        )
+        .remote(cfg, model_dir, rank, world, addr, port, platform, init_checkpoint)
         for rank, bundle in enumerate(p.trainer_bundles)
     ]
     return actors
@@ -372,8 +479,10 @@ def wait_ready(trainers: list[Any], engines: list[Any], timeout_s: float | None 
     if timeout_s is not None:
         _, late = ray.wait(waited, num_returns=len(waited), timeout=timeout_s)
         if late:
-            raise ActorTimeoutError(f"{', '.join(pending[r] for r in late)} did not start within {timeout_s:g} s "
-                                    f"(rollout.timeout_s / train.timeout_s); see the actor's log above")
+            raise ActorTimeoutError(
+                f"{', '.join(pending[r] for r in late)} did not start within {timeout_s:g} s "
+                f"(rollout.timeout_s / train.timeout_s); see the actor's log above"
+            )
     for ref, who in pending.items():
         try:
             ray.get(ref)
@@ -383,34 +492,3 @@ def wait_ready(trainers: list[Any], engines: list[Any], timeout_s: float | None 
             if isinstance(getattr(e, "cause", None), VimeError) or isinstance(e, VimeError):
                 raise ClusterError(f"{who} failed to start: {e}") from e
             raise RuntimeError(f"{who} failed to start: {e}") from e
-
-
-def gather(refs: list, who: list[str], doing: str, timeout_s: float | None, setting: str) -> list:
-    """`ray.get(refs)`, but a call that does not finish within `timeout_s` raises ActorTimeoutError naming the
-    actor(s) still busy (`who[i]` for `refs[i]`), what they were doing and the setting that bounds it."""
-    import ray
-
-    if timeout_s is not None and refs:
-        _, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        if late:
-            names = [w for r, w in zip(refs, who) if r in set(late)]
-            raise ActorTimeoutError(
-                f"{', '.join(names)} did not finish {doing} within {timeout_s:g} s ({setting}): the actor is hung or "
-                f"far slower than expected; check its log above, or raise {setting}"
-            )
-    return ray.get(list(refs))
-
-
-def tcp_store(addr: str, port: int, rank: int, world: int, timeout):
-    """The torch.distributed rendezvous store of the trainer ranks, listening on `addr` only (127.0.0.1 locally,
-    the node's IP in a cluster): torch's own TCPStore server listens on every interface, and it has no
-    authentication. Rank 0 hands torch a socket already bound to `addr`."""
-    import torch.distributed as dist
-
-    if rank != 0:
-        return dist.TCPStore(addr, port, world, False, timeout)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((addr, port))
-    sock.listen(max(128, world))
-    return dist.TCPStore(addr, port, world, True, timeout, master_listen_fd=sock.detach())  # the store owns the fd

@@ -5,7 +5,7 @@ Reading: `.jsonl` / `.json` / `.parquet` files in the dapo-math-17k layout (`pro
 not a scalar, a prompt that is too long) raises `DatasetError` naming the file, the row and the problem, or, with
 `data.bad_rows = skip`, is skipped and counted.
 
-The buffer serves prompt batches in a seeded order per epoch, takes injected prompts (served first), and keeps its
+The buffer serves prompt batches in a seeded order per epoch and keeps its
 position as a small state dict saved with checkpoints, so a resumed run continues with exactly the next batch.
 """
 
@@ -37,8 +37,13 @@ class Prompt:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def template(self, group_id: int) -> Sample:
-        return Sample(group_id=group_id, prompt_ids=self.prompt_ids, label=self.label, prompt=self.prompt,
-                      metadata={**self.metadata, "index": self.index})
+        return Sample(
+            group_id=group_id,
+            prompt_ids=self.prompt_ids,
+            label=self.label,
+            prompt=self.prompt,
+            metadata={**self.metadata, "index": self.index},
+        )
 
 
 @dataclass
@@ -100,7 +105,14 @@ def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as e:
-            rows.append((n, DatasetError(f"{path}:{n}: line is not valid UTF-8 (byte {e.start}: {line[e.start:e.start + 4]!r})")))
+            rows.append(
+                (
+                    n,
+                    DatasetError(
+                        f"{path}:{n}: line is not valid UTF-8 (byte {e.start}: {line[e.start : e.start + 4]!r})"
+                    ),
+                )
+            )
             continue
         try:
             rows.append((n, json.loads(text)))
@@ -140,7 +152,9 @@ def _check_prompt(value: Any) -> list[dict[str, str]] | str:
             if not isinstance(m["content"], str):
                 raise ValueError(f"prompt message {i} content must be text, got {type(m['content']).__name__}")
         return [{"role": m["role"], "content": m["content"]} for m in value]
-    raise ValueError(f"prompt must be text or a non-empty list of chat messages, got {type(value).__name__}: {str(value)[:80]!r}")
+    raise ValueError(
+        f"prompt must be text or a non-empty list of chat messages, got {type(value).__name__}: {str(value)[:80]!r}"
+    )
 
 
 def _check_label(value: Any) -> str:
@@ -174,7 +188,9 @@ def render_prompt(tokenizer, prompt: list[dict[str, str]] | str, apply_chat_temp
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-def load_prompts(source: str, tokenizer, data_cfg, max_prompts: int | None = None, require_label: bool = True) -> PromptSet:
+def load_prompts(
+    source: str, tokenizer, data_cfg, max_prompts: int | None = None, require_label: bool = True
+) -> PromptSet:
     """Read, validate and tokenise a prompt dataset (see module doc for the error rules)."""
     check_chat_template(tokenizer, data_cfg)
     rows = read_rows(source)
@@ -199,7 +215,9 @@ def load_prompts(source: str, tokenizer, data_cfg, max_prompts: int | None = Non
     ids = tokenizer([text for _, text, _, _ in parsed], add_special_tokens=False)["input_ids"] if parsed else []
     for (n, text, label, meta), prompt_ids in zip(parsed, ids):
         if len(prompt_ids) > data_cfg.max_prompt_len:
-            reject(f"{source}: row {n}: prompt has {len(prompt_ids)} tokens, more than data.max_prompt_len = {data_cfg.max_prompt_len}")
+            reject(
+                f"{source}: row {n}: prompt has {len(prompt_ids)} tokens, more than data.max_prompt_len = {data_cfg.max_prompt_len}"
+            )
             continue
         out.prompts.append(Prompt(index=n - 1, prompt_ids=prompt_ids, prompt=text, label=label, metadata=meta))
     if max_prompts is not None:
@@ -240,12 +258,20 @@ def check_labels(prompts: PromptSet, usable: Callable[[list[str]], list[bool]], 
     bad = [p for p, ok in zip(labelled, usable([p.label for p in labelled])) if not ok]
     examples = ", ".join(f"row {p.index + 1}: {p.label!r}" for p in bad[:3])
     if len(bad) == len(labelled):
-        raise DatasetError(f"dataset {prompts.source}: none of its {len(bad)} labels (field {label_key!r}, "
-                           f"data.label_key) can be read by the math verifier ({examples}); fix the labels, point "
-                           f"data.label_key at the answer field, or use a custom rollout.reward")
+        raise DatasetError(
+            f"dataset {prompts.source}: none of its {len(bad)} labels (field {label_key!r}, "
+            f"data.label_key) can be read by the math verifier ({examples}); fix the labels, point "
+            f"data.label_key at the answer field, or use a custom rollout.reward"
+        )
     if bad:
-        log.warning("%s: %d of %d labels (field %r) cannot be read by the math verifier and will score 0 on every "
-                    "sample (%s)", prompts.source, len(bad), len(labelled), label_key, examples)
+        log.warning(
+            "%s: %d of %d labels (field %r) cannot be read by the math verifier and will score 0 on every sample (%s)",
+            prompts.source,
+            len(bad),
+            len(labelled),
+            label_key,
+            examples,
+        )
     return len(bad)
 
 
@@ -253,14 +279,13 @@ def check_labels(prompts: PromptSet, usable: Callable[[list[str]], list[bool]], 
 # the buffer
 # --------------------------------------------------------------------------------------------------------------------
 class DataBuffer:
-    """Serves prompts epoch by epoch in a seeded order; injected prompts first. State: (epoch, offset, injected)."""
+    """Serves prompts epoch by epoch in a seeded order. State: (epoch, offset, seed, dataset size)."""
 
     def __init__(self, prompts: PromptSet, seed: int, shuffle: bool = True):
         if not prompts.prompts:
             raise DatasetError(f"dataset {prompts.source} has no prompts to serve")
         self.prompts, self.seed, self.shuffle = prompts, seed, shuffle
         self.epoch, self.offset = 0, 0
-        self.injected: list[Prompt] = []
         self._order = self._order_for(0)
 
     def _order_for(self, epoch: int) -> list[int]:
@@ -269,13 +294,8 @@ class DataBuffer:
             random.Random(f"{self.seed}-{epoch}").shuffle(order)
         return order
 
-    def inject(self, prompts: list[Prompt]) -> None:
-        self.injected.extend(prompts)
-
     def next_batch(self, n: int) -> list[Prompt]:
         out: list[Prompt] = []
-        while self.injected and len(out) < n:
-            out.append(self.injected.pop(0))
         while len(out) < n:
             if self.offset >= len(self._order):
                 self.epoch += 1
@@ -292,7 +312,6 @@ class DataBuffer:
             "offset": self.offset,
             "seed": self.seed,
             "num_prompts": len(self.prompts),
-            "injected": [dict(p.__dict__) for p in self.injected],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -302,5 +321,4 @@ class DataBuffer:
                 f"{len(self.prompts)}: the dataset changed since the checkpoint"
             )
         self.epoch, self.offset, self.seed = state["epoch"], state["offset"], state["seed"]
-        self._order = self._order_for(self.epoch)
-        self.injected = [Prompt(**p) for p in state.get("injected", [])]
+        self._order = self._order_for(self.epoch)  # an older checkpoint's "injected": [] is ignored

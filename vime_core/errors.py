@@ -7,6 +7,8 @@ with the traceback only under `--debug`. Anything else is a bug and keeps its tr
 
 from __future__ import annotations
 
+import os
+
 
 class VimeError(Exception):
     """A problem the user can fix; the message names the field or file and the fix."""
@@ -45,6 +47,4 @@ def one_line(e: BaseException) -> str:
 
 def debug_requested(argv: list[str]) -> bool:
     """`--debug` on the command line or VIME_DEBUG=1: show tracebacks of user errors too."""
-    import os
-
     return "--debug" in argv or os.environ.get("VIME_DEBUG", "") not in ("", "0")

@@ -8,16 +8,24 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 from vime_core.algo import pass_at_k
 from vime_core.data import PromptSet
+from vime_core.prepare import prepare
 from vime_core.rollout import GroupRequest, RolloutRouter, SamplingSpec, request_seed
 
 
 def eval_spec(cfg) -> SamplingSpec:
     e = cfg.eval
-    return SamplingSpec(e.n_samples_per_eval_prompt, e.temperature, e.top_p, -1, e.max_response_len or cfg.rollout.max_response_len,
-                        tuple(cfg.rollout.stop))
+    return SamplingSpec(
+        e.n_samples_per_eval_prompt,
+        e.temperature,
+        e.top_p,
+        -1,
+        e.max_response_len or cfg.rollout.max_response_len,
+        tuple(cfg.rollout.stop),
+    )
 
 
 def evaluate(router: RolloutRouter, eval_sets: dict[str, PromptSet], cfg, reward_model) -> dict[str, float]:
@@ -26,8 +34,10 @@ def evaluate(router: RolloutRouter, eval_sets: dict[str, PromptSet], cfg, reward
     metrics: dict[str, float] = {}
     for name, prompts in eval_sets.items():
         t0 = time.perf_counter()
-        requests = [GroupRequest(p.template(group_id=i), request_seed(cfg.seed, "eval", name, p.index))
-                    for i, p in enumerate(prompts.prompts)]
+        requests = [
+            GroupRequest(p.template(group_id=i), request_seed(cfg.seed, "eval", name, p.index))
+            for i, p in enumerate(prompts.prompts)
+        ]
         groups = router.generate(requests, spec, cfg.eval.timeout_s, "eval.timeout_s")  # a whole eval set per call
         reward_model.score(groups)
         correct = [sum(1 for s in g if s.reward and s.reward > 0.5) for g in groups]
@@ -44,10 +54,7 @@ def evaluate(router: RolloutRouter, eval_sets: dict[str, PromptSet], cfg, reward
 
 def evaluate_model(cfg, model_dir) -> dict[str, float]:
     """Evaluate an HF checkpoint on `cfg.eval.datasets` with fresh vLLM engines (no trainer)."""
-    from pathlib import Path
-
     from vime_core.cluster import create_engines, init_ray, make_placement, shutdown_ray, wait_ready
-    from vime_core.loop import prepare
 
     p = prepare(cfg, Path(model_dir), eval_only=True)
     if not p.eval_sets:

@@ -1,4 +1,4 @@
-"""Gradient reduction for the AdamW path, and the finiteness check of megatron's DDP buffers (used by train.py)."""
+"""Gradient reduction for the AdamW path, and the finiteness check of megatron's DDP buffers (used by trainer/optim.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ def sync_and_clip_grads(module: torch.nn.Module, ps, clip: float, device: torch.
 
     def sq(ps_: list[torch.Tensor]) -> torch.Tensor:
         # a TP-replicated parameter counts once (on TP rank 0); a split one on every rank
-        vals = [p.grad.float().square().sum() for p in ps_ if getattr(p, "tensor_model_parallel", False) or tp_rank == 0]
+        vals = [
+            p.grad.float().square().sum() for p in ps_ if getattr(p, "tensor_model_parallel", False) or tp_rank == 0
+        ]
         return torch.stack(vals).sum() if vals else torch.zeros((), device=device)
 
     total = sq(dense) + 0.0
@@ -64,4 +66,6 @@ def megatron_grads_finite(ddp_model) -> bool:
     which is safe), and needs no temporary: `isfinite(grad_data).all()` allocated a bool per gradient (1.7 GB for
     Qwen3-1.7B's fp32 buffer) at the step's memory peak."""
     bufs = ddp_model.buffers + ddp_model.expert_parallel_buffers
-    return bool(torch.isfinite(torch.stack([b.grad_data.sum(dtype=torch.float32) for b in bufs])).all()) if bufs else True
+    return (
+        bool(torch.isfinite(torch.stack([b.grad_data.sum(dtype=torch.float32) for b in bufs])).all()) if bufs else True
+    )

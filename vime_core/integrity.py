@@ -18,6 +18,7 @@ import zlib
 from pathlib import Path
 
 from vime_core.errors import DiskSpaceError, VimeError
+from vime_core.fsutil import fsync_dir
 
 MANIFEST = "manifest.json"
 CHUNK = 8 * 2**20
@@ -34,14 +35,6 @@ class OutputDirError(VimeError, PermissionError):
 # --------------------------------------------------------------------------------------------------------------------
 # durable writes and manifests
 # --------------------------------------------------------------------------------------------------------------------
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _sum_and_sync(path: Path) -> tuple[int, int]:
     """(size, crc32) of a file, fsynced while it is read (its pages are still cached from the write)."""
     crc, size = 0, 0
@@ -143,7 +136,9 @@ def is_disk_full(e: BaseException) -> bool:
     if cause is not None and cause is not e and is_disk_full(cause):
         return True
     text = str(e)
-    return any(s in text for s in ("No space left on device", "unexpected pos", "failed writing file", "Disk quota exceeded"))
+    return any(
+        s in text for s in ("No space left on device", "unexpected pos", "failed writing file", "Disk quota exceeded")
+    )
 
 
 def disk_full_error(path: Path, need: int | None) -> DiskSpaceError:
@@ -197,5 +192,6 @@ def check_writable(path: Path, what: str = "output_dir") -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise OutputDirError(f"{what} {path} is not writable ({e.strerror or e}); fix its permissions or choose "
-                             f"another {what}") from None
+        raise OutputDirError(
+            f"{what} {path} is not writable ({e.strerror or e}); fix its permissions or choose another {what}"
+        ) from None

@@ -38,13 +38,23 @@ def _row_sums(raw: torch.Tensor, temperature: float, gmax: torch.Tensor, local: 
     return torch.stack([e.sum(-1), (e * shifted).sum(-1), tgt], dim=-1)
 
 
-def _grad_logits(raw: torch.Tensor, temperature: float, logz: torch.Tensor, ex: torch.Tensor, g_logp: torch.Tensor,
-                 g_ent: torch.Tensor, local: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+def _grad_logits(
+    raw: torch.Tensor,
+    temperature: float,
+    logz: torch.Tensor,
+    ex: torch.Tensor,
+    g_logp: torch.Tensor,
+    g_ent: torch.Tensor,
+    local: torch.Tensor,
+    own: torch.Tensor,
+) -> torch.Tensor:
     """d loss / d raw logits, in the logits' dtype: d log p(t) / dx = onehot(t) - p; dH/dx = -p (x - E[x])."""
     x = raw.float() / temperature
     p = (x - logz.unsqueeze(-1)).exp()
     onehot = torch.arange(raw.size(-1), device=raw.device).unsqueeze(0) == local.unsqueeze(-1)
-    g = g_logp.unsqueeze(-1) * ((onehot & own.unsqueeze(-1)).float() - p) - g_ent.unsqueeze(-1) * p * (x - ex.unsqueeze(-1))
+    g = g_logp.unsqueeze(-1) * ((onehot & own.unsqueeze(-1)).float() - p) - g_ent.unsqueeze(-1) * p * (
+        x - ex.unsqueeze(-1)
+    )
     return (g / temperature).to(raw.dtype)  # the output layer's matmul backward ran in the weight's dtype
 
 
@@ -58,7 +68,9 @@ def _kernel(fn, cuda: bool):
     return fused(fn)
 
 
-def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_start: int, group):
+def _chunk_stats(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, vocab_start: int, group
+):
     """For one chunk: the global log Z, log p(target), entropy and E[x] of the fp32 logits x / temperature."""
     raw = h @ weight.t()  # [chunk, V/tp] in the weight's dtype, as the output layer computed it
     local = targets - vocab_start
@@ -78,7 +90,9 @@ def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, t
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, vocab_start: int, group, with_entropy: bool):
+    def forward(
+        ctx, hidden, weight, targets, temperature: float, chunk: int, vocab_start: int, group, with_entropy: bool
+    ):
         n = hidden.size(0)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -86,8 +100,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
         ex = torch.empty_like(logp)
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            logz[a:b], logp[a:b], ent[a:b], ex[a:b] = _chunk_stats(hidden[a:b], weight, targets[a:b], temperature,
-                                                                   vocab_start, group)
+            logz[a:b], logp[a:b], ent[a:b], ex[a:b] = _chunk_stats(
+                hidden[a:b], weight, targets[a:b], temperature, vocab_start, group
+            )
         ctx.save_for_backward(hidden, weight, targets, logz, ex)
         ctx.cfg = (temperature, chunk, vocab_start, group, with_entropy)
         ctx.set_materialize_grads(False)
@@ -129,8 +144,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None
 
 
-def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                     with_entropy: bool = False, chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) and (optionally) the entropy per row of `hidden` [n, h] under softmax(hidden @ weight.T / T).
 
     `weight` [V/tp, h] is this rank's vocab shard of the output layer (contiguous shards in rank order, as megatron's
@@ -142,6 +163,7 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
 
         vocab_start = dist.get_rank(group) * weight.size(0)
         hidden = copy_to_tensor_model_parallel_region(hidden)  # backward: sum of the ranks' partial gradients
-    logp, ent = _ChunkedLogProbs.apply(hidden, weight, targets, float(temperature), max(1, int(chunk_tokens)),
-                                       vocab_start, group, with_entropy)
+    logp, ent = _ChunkedLogProbs.apply(
+        hidden, weight, targets, float(temperature), max(1, int(chunk_tokens)), vocab_start, group, with_entropy
+    )
     return logp, (ent if with_entropy else None)

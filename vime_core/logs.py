@@ -20,7 +20,10 @@ HARMLESS: dict[str, tuple[str, ...]] = {
     # engine start on CPU: optional accelerators absent, and settings we chose on purpose (eager, seeded sampling,
     # whole-prompt prefill, our thread count)
     "vllm.triton_utils.importing": ("doesn't include CPU backend",),
-    "vllm.engine.arg_utils": ("The global random seed is set to", "does not officially support disabling chunked prefill"),
+    "vllm.engine.arg_utils": (
+        "The global random seed is set to",
+        "does not officially support disabling chunked prefill",
+    ),
     "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled", "Model Runner V2 requires Triton"),
     "vllm.platforms.cpu": ("Triton is not installed", "Reset SSM cache type"),
     "vllm.v1.worker.cpu_worker": ("is not found in LD_PRELOAD", "doesn't allow to use `torch.set_num_threads`"),

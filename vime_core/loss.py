@@ -1,5 +1,5 @@
 """The GRPO loss of one micro-batch as a pure function, and the step arithmetic around it (loss scale under data
-parallelism, denominators, the LR schedule, the finiteness guard). The trainer (train.py) calls these; tests run
+parallelism, denominators, the LR schedule, the finiteness guard). The trainer (trainer/step.py) calls these; tests run
 every option through them on CPU (tests/test_loss.py).
 
 Conventions (see algo.py): token tensors are 1-D over the concatenated response tokens of a micro-batch, with
@@ -43,23 +43,37 @@ class MicroBatch:
     rollout_logp: Tensor | None = None  # vLLM's log-probs; needed for TIS
 
 
-def micro_batch_loss(mb: MicroBatch, g: GRPOConfig, denominator: float) -> tuple[Tensor, dict[str, float]]:
+def micro_batch_loss(mb: MicroBatch, g: GRPOConfig, denominator: float) -> tuple[Tensor, dict[str, Tensor | float]]:
     """(this micro-batch's share of the step loss, masked token sums of the metrics in METRIC_KEYS).
+
+    The sums stay 0-dim tensors on the device (0.0 for a metric off): a host read per micro-batch would stall the
+    GPU while the CPU queues the next one; the trainer reads them once per step.
 
     per token: pg = clipped surrogate (PPO or GSPO) x TIS weight; total = pg - entropy_coef * entropy +
     kl_loss_coef * KL(policy || reference); aggregated by `g.loss_aggregation` over mask = 1 tokens."""
     mask = mb.mask.to(mb.logp.dtype)
     if g.policy_loss == "gspo":
-        pg, clipped, _ = algo.gspo_policy_loss(mb.logp, mb.old_logp, mb.advantages, mb.sample_ids, mb.num_samples,
-                                               g.eps_clip, g.eps_clip_high, mask=mask, dual_clip_c=g.dual_clip_c)
+        pg, clipped, _ = algo.gspo_policy_loss(
+            mb.logp,
+            mb.old_logp,
+            mb.advantages,
+            mb.sample_ids,
+            mb.num_samples,
+            g.eps_clip,
+            g.eps_clip_high,
+            mask=mask,
+            dual_clip_c=g.dual_clip_c,
+        )
     else:
-        pg, clipped, _ = algo.ppo_policy_loss(mb.logp, mb.old_logp, mb.advantages, g.eps_clip, g.eps_clip_high, g.dual_clip_c)
-    sums = dict.fromkeys(METRIC_KEYS, 0.0)
+        pg, clipped, _ = algo.ppo_policy_loss(
+            mb.logp, mb.old_logp, mb.advantages, g.eps_clip, g.eps_clip_high, g.dual_clip_c
+        )
+    sums: dict[str, Tensor | float] = dict.fromkeys(METRIC_KEYS, 0.0)
 
-    def msum(x: Tensor) -> float:  # sum over trained tokens; where(): a masked-out inf/NaN must not leak in
-        return float(torch.where(mask > 0, x.detach(), torch.zeros_like(x)).sum())
+    def msum(x: Tensor) -> Tensor:  # sum over trained tokens; where(): a masked-out inf/NaN must not leak in
+        return torch.where(mask > 0, x.detach(), torch.zeros_like(x)).sum()
 
-    if g.use_tis:
+    if g.use_tis is True:  # `auto` is resolved by RunConfig (rollout.max_staleness); a bare GRPOConfig means off
         if mb.rollout_logp is None:
             raise ValueError("grpo.use_tis needs the rollout log-probs of every sample")
         w, tis_clip = algo.tis_weights(mb.old_logp, mb.rollout_logp, g.tis_cap)
@@ -91,7 +105,7 @@ def step_train_metrics(sums: dict[str, float], trained_tokens: int, loss: float,
     (the trainer passes totals over data-parallel ranks)."""
     out = {f"train/{k}": v / max(1, trained_tokens) for k, v in sums.items()}
     out["train/loss"] = loss
-    if not g.use_tis:
+    if g.use_tis is not True:
         out.pop("train/tis"), out.pop("train/tis_clipfrac")
     if g.kl_loss_coef <= 0:
         out.pop("train/kl_loss")
@@ -126,11 +140,16 @@ def step_denominator(mode: str, num_samples: int, trained_tokens_all_ranks: int,
 def check_finite_step(loss: float, grad_norm: float | None, where: str) -> None:
     """Raise NonFiniteStepError unless the step's loss and gradient norm are finite. Call it before the optimizer
     applies the step, with values that agree on every rank (reduced), so that every rank raises together."""
-    bad = [f"{name} = {v}" for name, v in (("loss", loss), ("grad norm", grad_norm)) if v is not None and not math.isfinite(v)]
+    bad = [
+        f"{name} = {v}"
+        for name, v in (("loss", loss), ("grad norm", grad_norm))
+        if v is not None and not math.isfinite(v)
+    ]
     if bad:
         raise NonFiniteStepError(
             f"{where}: non-finite {' and '.join(bad)}; the step was not applied and nothing was saved (the last good "
-            f"checkpoints are kept). Look for NaN/inf rewards or advantages, or lower train.lr")
+            f"checkpoints are kept). Look for NaN/inf rewards or advantages, or lower train.lr"
+        )
 
 
 def lr_at(step: int, cfg: RunConfig) -> float:

@@ -6,13 +6,16 @@ Expects `torch.distributed` and megatron's `parallel_state` to be initialised (s
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
-from vime_core.qwen3_mapping import Qwen3Arch, expert_index, local_view, unshard_tp, with_expert_index
+from vime_core.models.qwen3 import Qwen3Arch
+from vime_core.models.qwen3_mapping import expert_index, local_view, unshard_tp, with_expert_index
+from vime_core.namediff import describe_name_diff, name_diff
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -59,8 +62,16 @@ def _shim_checkpoint_rng_for_cpu() -> None:
     mrandom._set_cuda_rng_state = lambda *a, **k: None
 
 
-def transformer_config(arch: Qwen3Arch, dtype: str, tp: int = 1, ep: int = 1, sequence_parallel: bool = False, on_cpu: bool = True,
-                       pp: int = 1, recompute: str = "none"):
+def transformer_config(
+    arch: Qwen3Arch,
+    dtype: str,
+    tp: int = 1,
+    ep: int = 1,
+    sequence_parallel: bool = False,
+    on_cpu: bool = True,
+    pp: int = 1,
+    recompute: str = "none",
+):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch_dtype = DTYPES[dtype]
@@ -143,7 +154,12 @@ def build_gpt(arch: Qwen3Arch, config, attention: str = "sdpa", lean_norm: bool 
         raise ValueError(f"attention = {attention!r}: expected sdpa or local")
     if lean_norm:
         layer, attn = spec.submodules, spec.submodules.self_attention.submodules
-        for owner, name in ((layer, "input_layernorm"), (layer, "pre_mlp_layernorm"), (attn, "q_layernorm"), (attn, "k_layernorm")):
+        for owner, name in (
+            (layer, "input_layernorm"),
+            (layer, "pre_mlp_layernorm"),
+            (attn, "q_layernorm"),
+            (attn, "k_layernorm"),
+        ):
             if getattr(owner, name) is not None and getattr(getattr(owner, name), "__name__", "") == "WrappedTorchNorm":
                 setattr(owner, name, LeanRMSNorm)
     return GPTModel(
@@ -194,8 +210,6 @@ def fused(fn):
         except torch.OutOfMemoryError:  # the step is too big: eager would need the same memory, and hide the cause
             raise
         except Exception as e:  # inductor needs a C compiler and Triton: fall back once, for good
-            import logging
-
             logging.getLogger(__name__).warning("torch.compile of %s failed (%s); using eager", fn.__name__, e)
             _FUSED[fn] = fn
             return fn(*args)
@@ -291,12 +305,21 @@ def load_full_weights(model: torch.nn.Module, full: Mapping[str, torch.Tensor], 
     from megatron.core import parallel_state as ps
 
     tp, tp_rank, ep, ep_rank = parallel_ranks()
-    local = local_view(full, tp, tp_rank, ep, ep_rank, arch.num_experts, ps.get_pipeline_model_parallel_world_size(),
-                       ps.get_pipeline_model_parallel_rank(), arch.num_layers)
+    local = local_view(
+        full,
+        tp,
+        tp_rank,
+        ep,
+        ep_rank,
+        arch.num_experts,
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_rank(),
+        arch.num_layers,
+    )
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    missing, unexpected = sorted(set(own) - set(local)), sorted(set(local) - set(own))
+    missing, unexpected = name_diff(own, local)
     if missing or unexpected:
-        raise ValueError(f"weights do not fit the megatron model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError("weights do not fit the megatron model: " + describe_name_diff(missing, unexpected))
     with torch.no_grad():
         for name, t in own.items():
             src = local[name]

@@ -21,6 +21,15 @@ import torch
 from vime_core.errors import VimeError
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list as a tensor on `device`. On CUDA through pinned memory without blocking: a pageable copy waits for
+    every kernel queued before it, so each of the ~8 per micro-batch stalled the GPU while the CPU queued the next
+    one (an H200, Qwen3-1.7B: 20.1k tok/s at one 4,136-token sample per micro-batch vs 27.8k at two)."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
 class MemoryBudgetError(VimeError, RuntimeError):
     """A training micro-batch did not fit in device memory; the message names train.max_tokens_per_device."""
 
@@ -28,11 +37,15 @@ class MemoryBudgetError(VimeError, RuntimeError):
 def budget_error(budget: int, longest: int, device: torch.device, where: str) -> MemoryBudgetError:
     gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     suggest = max(longest, budget // 2)
-    fix = (f"lower it to {suggest} (the longest sample has {longest} tokens) or set train.recompute = selective / full"
-           if suggest < budget else
-           "the longest sample alone does not fit: set train.recompute = full, or use tensor parallelism")
-    return MemoryBudgetError(f"train.max_tokens_per_device = {budget} does not fit on {device} (out of memory in the "
-                             f"{where}, peak {gib:.1f} GiB allocated): {fix}")
+    fix = (
+        f"lower it to {suggest} (the longest sample has {longest} tokens) or set train.recompute = selective / full"
+        if suggest < budget
+        else "the longest sample alone does not fit: set train.recompute = full, or use tensor parallelism"
+    )
+    return MemoryBudgetError(
+        f"train.max_tokens_per_device = {budget} does not fit on {device} (out of memory in the "
+        f"{where}, peak {gib:.1f} GiB allocated): {fix}"
+    )
 
 
 def offload_enabled(setting, colocate: bool, platform: str) -> bool:
@@ -106,7 +119,9 @@ def _grad_buffers(model) -> list[torch.Tensor]:
     for buf in [b for bufs in lists if isinstance(bufs, list) for b in bufs]:
         grad = getattr(buf, "grad_data", None)
         param = getattr(buf, "param_data", None)
-        if grad is None or (param is not None and param.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()):
+        if grad is None or (
+            param is not None and param.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
+        ):
             continue
         out.append(grad)
     return out

@@ -53,7 +53,10 @@ def start_watchdog() -> subprocess.Popen | None:
         return None
     _WATCHDOG = subprocess.Popen(
         [sys.executable, "-m", "vime_core.orphans", str(os.getpid())],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        close_fds=True,
     )
     return _WATCHDOG
 

@@ -50,12 +50,7 @@ class PlatformError(VimeError, RuntimeError):
 class DeviceFacts:
     platform: PlatformName
     count: int
-    names: list[str] = field(default_factory=list)
-    uuids: list[str] = field(default_factory=list)
-
-    @property
-    def is_gpu(self) -> bool:
-        return self.platform != "cpu"
+    names: list[str] = field(default_factory=list)  # MLflow's vime.devices tag
 
 
 def apply_offline_env(environ: os._Environ | dict = os.environ) -> None:
@@ -83,30 +78,22 @@ def detect_platform(requested: str = "auto") -> PlatformName:
 
 
 def device_facts(platform: PlatformName) -> DeviceFacts:
-    """Count, names and UUIDs of the visible devices (UUIDs key CUDA IPC handles across processes)."""
+    """Count and names of the visible devices."""
     if platform == "cpu":
         return DeviceFacts("cpu", 0)
     import torch
 
     n = torch.cuda.device_count()
-    names, uuids = [], []
-    for i in range(n):
-        props = torch.cuda.get_device_properties(i)
-        names.append(props.name)
-        uuids.append(str(props.uuid))
-    return DeviceFacts(platform, n, names, uuids)
+    return DeviceFacts(platform, n, [torch.cuda.get_device_properties(i).name for i in range(n)])
 
 
 def current_device_uuid(platform: PlatformName) -> str:
+    """The UUID of this process's device: it keys CUDA IPC handles across processes (see sync/cuda_ipc.py)."""
     if platform == "cpu":
         return "cpu"
     import torch
 
     return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-
-
-def torch_device(platform: PlatformName, local_index: int = 0) -> str:
-    return "cpu" if platform == "cpu" else f"cuda:{local_index}"
 
 
 def dist_backend(platform: PlatformName) -> str:
@@ -123,7 +110,9 @@ def check_visible_devices_env(environ: Mapping[str, str]) -> None:
         )
 
 
-def worker_env(platform: PlatformName, device_ids: list[int] | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+def worker_env(
+    platform: PlatformName, device_ids: list[int] | None, base: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """Environment variables for a worker process (a Ray actor) that owns `device_ids`.
 
     Ray is told not to rewrite device visibility (`RAY_EXPERIMENTAL_NOSET_*`): each actor is given the list it

@@ -15,13 +15,14 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from vime_core.config.fingerprint import FINGERPRINT_VERSION, VERSION_KEY
 from vime_core.errors import DiskSpaceError, VimeError
+from vime_core.fsutil import atomic_write_text, fsync_dir
 from vime_core.integrity import (
     MANIFEST,
     SPACE_MARGIN,
     disk_full_error,
     free_bytes,
-    fsync_dir,
     gib,
     is_disk_full,
     manifest_bytes,
@@ -47,7 +48,8 @@ class CheckpointReadError(VimeError, OSError):
 def _read_error(ckpt: Path, e: OSError) -> CheckpointReadError:
     return CheckpointReadError(
         f"{e.filename or ckpt} cannot be read ({e.strerror or e}) while checking checkpoint {ckpt}; it was left in "
-        "place (the file may be intact): fix the disk or the permissions and run again")
+        "place (the file may be intact): fix the disk or the permissions and run again"
+    )
 
 
 def iter_name(rollout_id: int) -> str:
@@ -55,16 +57,6 @@ def iter_name(rollout_id: int) -> str:
 
 
 ITER_RE = re.compile(r"iter_\d{7}")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 _VERIFIED: set[tuple] = set()
@@ -115,8 +107,15 @@ class Checkpointer:
         prunable = done[: max(0, len(done) + 1 - self.keep_last)][: len(done) - 1]  # never the newest
         while free_bytes(self.dir) < need and prunable:
             old = prunable.pop(0)
-            log.warning("only %s free in %s, the next checkpoint needs ~%s: pruning %s now (keep_last = %d would "
-                        "after the save)", gib(free_bytes(self.dir)), self.dir, gib(need), old.name, self.keep_last)
+            log.warning(
+                "only %s free in %s, the next checkpoint needs ~%s: pruning %s now (keep_last = %d would "
+                "after the save)",
+                gib(free_bytes(self.dir)),
+                self.dir,
+                gib(need),
+                old.name,
+                self.keep_last,
+            )
             self._delete(old)
         free = free_bytes(self.dir)
         if free < need:
@@ -140,9 +139,6 @@ class Checkpointer:
             raise disk_full_error(self.dir, manifest_bytes(done[-1]) if done else None) from e
 
     def commit(self, tmp: Path, rollout_id: int, state: dict) -> Path:
-        delay = float(os.environ.get("VIME_TEST_CHECKPOINT_DELAY_S", "0"))  # test hook: widen the crash window
-        if delay:
-            time.sleep(delay)
         (tmp / STATE_FILE).write_text(json.dumps({**state, "rollout_id": rollout_id}, indent=2, default=str))
         write_manifest(tmp)  # fsyncs every file and directory first
         final = self.dir / iter_name(rollout_id)
@@ -150,7 +146,7 @@ class Checkpointer:
             self._delete(final)
         os.replace(tmp, final)
         fsync_dir(self.dir)
-        _atomic_write(self.dir / LATEST, iter_name(rollout_id))
+        atomic_write_text(self.dir / LATEST, iter_name(rollout_id))
         self._prune()
         return final
 
@@ -173,7 +169,11 @@ class Checkpointer:
         """Checkpoint directories that look complete (named iter_NNNNNNN, with a state file), oldest first."""
         if not self.dir.is_dir():
             return []
-        return sorted(p for p in self.dir.glob("iter_*") if ITER_RE.fullmatch(p.name) and p.is_dir() and (p / STATE_FILE).is_file())
+        return sorted(
+            p
+            for p in self.dir.glob("iter_*")
+            if ITER_RE.fullmatch(p.name) and p.is_dir() and (p / STATE_FILE).is_file()
+        )
 
     def latest(self) -> Path | None:
         """The newest intact checkpoint: the one `latest` names, else the highest complete iteration; any that fails
@@ -191,14 +191,19 @@ class Checkpointer:
                 os.replace(cand, aside)
             except FileNotFoundError:
                 continue
-            log.warning("checkpoint %s is damaged (%s): kept as %s; resuming from the one before it", cand,
-                        "; ".join(problems[:4]), aside.name)
+            log.warning(
+                "checkpoint %s is damaged (%s): kept as %s; resuming from the one before it",
+                cand,
+                "; ".join(problems[:4]),
+                aside.name,
+            )
         damaged = sorted(p.name for p in self.dir.glob("iter_*.damaged-*")) if self.dir.is_dir() else []
         if damaged:
             raise ResumeError(
                 f"no intact checkpoint in {self.dir}: {', '.join(damaged[-3:])} are damaged (kept, renamed; see the "
                 "warnings above). Set checkpoint.start_fresh=true to start over (the old ones are kept, renamed), or "
-                "restore a checkpoint there")
+                "restore a checkpoint there"
+            )
         return None
 
     def peek_latest(self) -> Path | None:
@@ -253,8 +258,10 @@ class Checkpointer:
         try:
             return json.loads(path.read_text())
         except (OSError, ValueError) as e:
-            raise ResumeError(f"{path} is unreadable ({type(e).__name__}: {str(e)[:120]}); remove {ckpt} to resume "
-                              f"from the checkpoint before it, or start fresh with --set checkpoint.start_fresh=true") from None
+            raise ResumeError(
+                f"{path} is unreadable ({type(e).__name__}: {str(e)[:120]}); remove {ckpt} to resume "
+                f"from the checkpoint before it, or start fresh with --set checkpoint.start_fresh=true"
+            ) from None
 
     def move_aside(self) -> Path | None:
         """`checkpoint.start_fresh`: keep the old checkpoints, renamed with a timestamp, and start empty."""
@@ -265,17 +272,27 @@ class Checkpointer:
         return aside
 
 
-def fingerprint_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """Dotted fields whose values differ between two fingerprint dicts, as 'field: saved -> current'."""
+def fingerprint_differences(saved: dict, current: dict, prefix: str = "", common_only: bool = False) -> list[str]:
+    """Dotted fields whose values differ between two fingerprint dicts, as 'field: saved -> current'. A field only
+    one side records differs too ('<absent>'), unless `common_only`."""
     out = []
-    for key in sorted(set(saved) | set(current)):
+    keys = set(saved) & set(current) if common_only else set(saved) | set(current)
+    for key in sorted(keys):
         a, b = saved.get(key, "<absent>"), current.get(key, "<absent>")
         name = f"{prefix}{key}"
         if isinstance(a, dict) and isinstance(b, dict):
-            out += fingerprint_differences(a, b, name + ".")
+            out += fingerprint_differences(a, b, name + ".", common_only)
         elif a != b:
             out.append(f"{name}: {a!r} -> {b!r}")
     return out
+
+
+def dotted_keys(d: dict, prefix: str = "") -> set[str]:
+    return {
+        k
+        for key, v in d.items()
+        for k in (dotted_keys(v, f"{prefix}{key}.") if isinstance(v, dict) else {prefix + key})
+    }
 
 
 def check_resume_setting(cfg) -> None:
@@ -287,11 +304,40 @@ def check_resume_setting(cfg) -> None:
     if done:
         raise ResumeError(
             f"checkpoint.resume = false but {cfg.save_dir} holds checkpoints up to {done[-1].name}; set "
-            "checkpoint.start_fresh=true to move them aside, or choose another output_dir")
+            "checkpoint.start_fresh=true to move them aside, or choose another output_dir"
+        )
 
 
 def check_resumable(state: dict, cfg) -> None:
-    diffs = fingerprint_differences(state.get("fingerprint_fields", {}), cfg.fingerprint_fields())
+    """Refuse a resume whose fixed settings (`RunConfig.fingerprint_fields`) differ from the checkpoint's.
+
+    A checkpoint of fingerprint version 1 (the hand-kept list, before the fields were tagged: no version key) records
+    a subset of today's fixed fields; those it records are compared, the others cannot be and are named in a warning.
+    A version this code does not know (written by a newer vime-flow) is refused."""
+    saved, current = state.get("fingerprint_fields") or {}, cfg.fingerprint_fields()
+    if not saved:
+        raise ResumeError(
+            f"the checkpoint in {cfg.save_dir} records no settings (its {STATE_FILE} has no fingerprint_fields), so "
+            f"nothing says that resuming would continue that run; start fresh with --set checkpoint.start_fresh=true "
+            f"(the old checkpoints are kept, renamed) or choose another output_dir."
+        )
+    version = saved.get(VERSION_KEY, 1)
+    if version not in (1, FINGERPRINT_VERSION):
+        raise ResumeError(
+            f"the checkpoint in {cfg.save_dir} records fingerprint version {version}, which this vime-flow (version "
+            f"{FINGERPRINT_VERSION}) cannot compare; resume it with the vime-flow that wrote it, or start fresh with "
+            f"--set checkpoint.start_fresh=true (the old checkpoints are kept, renamed) or another output_dir."
+        )
+    diffs = fingerprint_differences(saved, current, common_only=version == 1)
+    if version == 1 and not diffs:
+        unchecked = sorted(dotted_keys(current) - dotted_keys(saved) - {VERSION_KEY})
+        log.warning(
+            "the checkpoint in %s was written before every setting was tagged (fingerprint version 1): "
+            "resuming; %d fixed setting(s) it does not record could not be compared: %s",
+            cfg.save_dir,
+            len(unchecked),
+            ", ".join(unchecked),
+        )
     if diffs:
         raise ResumeError(
             f"the checkpoint in {cfg.save_dir} was written by a run with different settings, so resuming would not "

@@ -131,7 +131,7 @@ def strip_thinking(response: str) -> str:
     `<think>` is never closed (cut off while reasoning), what came before it."""
     end = response.rfind("</think>")
     if end >= 0:
-        return response[end + len("</think>"):]
+        return response[end + len("</think>") :]
     start = response.find("<think>")
     return response[:start] if start >= 0 else response
 
@@ -164,8 +164,13 @@ def boxed_answer(response: str, strict: bool = False, finish_reason: str | None 
     return box[0]
 
 
-def math_reward(response: str, label: str, strict: bool = False, finish_reason: str | None = None,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> float:
+def math_reward(
+    response: str,
+    label: str,
+    strict: bool = False,
+    finish_reason: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> float:
     """1.0 when the last boxed answer (outside the reasoning) equals the label, else 0.0.
 
     strict: also require a complete response (not cut by the length limit) whose last text is the box, optionally
@@ -232,8 +237,13 @@ def load_callable(spec: str) -> Callable[..., Any]:
 class RewardModel:
     """Scores groups of samples in place (sets `sample.reward`), each call within `timeout_s`."""
 
-    def __init__(self, spec: str = "math", reward_type: str = "sample", strict_format: bool = False,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self,
+        spec: str = "math",
+        reward_type: str = "sample",
+        strict_format: bool = False,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
         self.spec, self.reward_type, self.strict, self.timeout_s = spec, reward_type, strict_format, timeout_s
         self.fn = None if spec == "math" else load_callable(spec)
 
@@ -266,13 +276,16 @@ class RewardModel:
         in a thread: it is left behind, daemonic, and the run stops with an error). Async functions run
         concurrently, each under asyncio.wait_for."""
         done: queue.Queue = queue.Queue()
-        threading.Thread(target=_call_worker, args=(self.fn, items, self.timeout_s, done), daemon=True,
-                         name="vime-reward").start()
+        threading.Thread(
+            target=_call_worker, args=(self.fn, items, self.timeout_s, done), daemon=True, name="vime-reward"
+        ).start()
         results: list[tuple[Any] | None] = [None] * len(items)
 
         def too_slow(i: int) -> TimeoutError:
-            return TimeoutError(f"reward function {self.spec} took more than rollout.reward_timeout_s = "
-                                f"{self.timeout_s:g} s on {describe(i)}; make it faster or raise the limit")
+            return TimeoutError(
+                f"reward function {self.spec} took more than rollout.reward_timeout_s = "
+                f"{self.timeout_s:g} s on {describe(i)}; make it faster or raise the limit"
+            )
 
         for _ in items:
             try:  # sync calls end one after another, async ones run together: each ends within the limit
@@ -321,7 +334,11 @@ def _describe(s: Sample) -> str:
 
 def _describe_group(g: Sequence[Sample]) -> str:
     first = g[0] if g else None
-    return f"the group of prompt {first.metadata.get('index', '?')} (group {first.group_id}, label {first.label!r})" if first else "an empty group"
+    return (
+        f"the group of prompt {first.metadata.get('index', '?')} (group {first.group_id}, label {first.label!r})"
+        if first
+        else "an empty group"
+    )
 
 
 def _as_float(v: Any, spec: str, s: Sample) -> float:
@@ -330,6 +347,8 @@ def _as_float(v: Any, spec: str, s: Sample) -> float:
     except (TypeError, ValueError) as e:
         raise ValueError(f"reward function {spec} returned {v!r}, not a number") from e
     if not math.isfinite(x):
-        raise ValueError(f"reward function {spec} returned {v!r} for {_describe(s)}: rewards must be finite numbers "
-                         f"(a NaN reward turns the policy's weights into NaN)")
+        raise ValueError(
+            f"reward function {spec} returned {v!r} for {_describe(s)}: rewards must be finite numbers "
+            f"(a NaN reward turns the policy's weights into NaN)"
+        )
     return x

@@ -15,14 +15,18 @@ returns a `Generation`. Concurrent calls of all samples are batched into one vLL
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import inspect
 import logging
 import os
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vime_core.aio import run_sync
 from vime_core.errors import VimeError
+from vime_core.rpc import call_all, gather
 from vime_core.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -94,8 +98,6 @@ class CustomGenerateError(VimeError, ValueError):
 def load_custom_generate(spec: str):
     """The `async def` function named by rollout.custom_generate; raises CustomGenerateError naming the problem
     (checked in `prepare`, in seconds, and again in each engine)."""
-    import inspect
-
     from vime_core.rewards import load_callable
 
     try:
@@ -105,8 +107,10 @@ def load_custom_generate(spec: str):
         raise CustomGenerateError(f"rollout.custom_generate = {spec!r} cannot be loaded: {detail}") from None
     target = getattr(fn, "__call__", fn) if not inspect.isfunction(fn) else fn
     if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(target)):
-        raise CustomGenerateError(f"rollout.custom_generate = {spec!r} must be `async def` (it is a plain function): "
-                                  "`async def fn(ctx, sample, sampling) -> Sample`, awaiting ctx.generate(...)")
+        raise CustomGenerateError(
+            f"rollout.custom_generate = {spec!r} must be `async def` (it is a plain function): "
+            "`async def fn(ctx, sample, sampling) -> Sample`, awaiting ctx.generate(...)"
+        )
     return fn
 
 
@@ -120,7 +124,7 @@ def engine_kwargs(opts: EngineOptions) -> dict[str, Any]:
         enforce_eager=opts.enforce_eager or opts.platform == "cpu",
         tensor_parallel_size=opts.tensor_parallel_size,
         logprobs_mode="processed_logprobs",
-        worker_extension_cls="vime_core.sync.VLLMWorkerExtension",
+        worker_extension_cls="vime_core.sync.worker.VLLMWorkerExtension",
         enable_prefix_caching=True,
     )
     if opts.platform == "cpu":
@@ -198,23 +202,30 @@ class VLLMEngine:
         return [list(done[i * spec.n : (i + 1) * spec.n]) for i in range(len(requests))]
 
     # -- weights --------------------------------------------------------------------------------------------------------
+    # Ray entry points of the receive halves in vime_core/sync/ (cpu, cuda_ipc, nccl): each runs in every worker
+    # through vime_core.sync.worker.VLLMWorkerExtension; the caller then drops the prefix cache (sync.WeightSync)
     def load_weights(self, named_tensors: list[tuple[str, Any]]) -> int:
-        """Load full HF-named tensors in place (the caller then drops the prefix cache: see sync.WeightSync)."""
+        """`cpu`: load full HF-named tensors in place."""
         return self.llm.collective_rpc("vime_load_weights", args=(named_tensors,))[0]
 
     def load_weights_ipc(self, handles_by_uuid: dict[str, Any], layout: list) -> int:
+        """`cuda_ipc`: open the bucket of each worker's own device (handles keyed by device UUID) and load it."""
         return self.llm.collective_rpc("vime_load_from_ipc", args=(handles_by_uuid, layout))[0]
 
     def init_weight_group(self, address: str, port: int, rank_offset: int, world_size: int) -> None:
+        """`nccl`: every worker joins the trainer's broadcast group (once, on the first push)."""
         self.llm.collective_rpc("vime_init_nccl", args=(address, port, rank_offset, world_size))
 
     def load_weights_nccl(self, layout: list, nbytes: int) -> int:
+        """`nccl`: receive one broadcast bucket and load it."""
         return self.llm.collective_rpc("vime_load_from_nccl", args=(layout, nbytes))[0]
 
     def info(self) -> dict[str, Any]:
         from vime_core.platform import max_rss_gib
 
-        return {"max_rss_gib": max_rss_gib(), "start_seconds": self.start_seconds}
+        from vime_core.schedule import ray_node_id
+
+        return {"max_rss_gib": max_rss_gib(), "start_seconds": self.start_seconds, "node_id": ray_node_id()}
 
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
@@ -315,27 +326,34 @@ class RolloutRouter:
         self.engines = engines
         self.timeout_s = timeout_s  # rollout.timeout_s: a call that takes longer raises naming the engine
 
-    def generate(self, requests: list[GroupRequest], spec: SamplingSpec, timeout_s: float | None = None,
-                 setting: str = "rollout.timeout_s") -> list[list[Sample]]:
+    def generate(
+        self,
+        requests: list[GroupRequest],
+        spec: SamplingSpec,
+        timeout_s: float | None = None,
+        setting: str = "rollout.timeout_s",
+    ) -> list[list[Sample]]:
         """`timeout_s`/`setting`: another bound than rollout.timeout_s (an eval set: eval.timeout_s)."""
-        from vime_core.cluster import gather
-
         parts = assign_groups([len(r.template.prompt_ids) * spec.n for r in requests], len(self.engines))
         busy = [(e, ix) for e, ix in enumerate(parts) if ix]
         futures = [self.engines[e].generate.remote([requests[i] for i in ix], spec) for e, ix in busy]
-        results = gather(futures, [f"vLLM engine {e}" for e, _ in busy], f"generate ({sum(len(ix) for _, ix in busy)} "
-                         f"prompt groups)", timeout_s or self.timeout_s, setting)
+        results = gather(
+            futures,
+            [f"vLLM engine {e}" for e, _ in busy],
+            f"generate ({sum(len(ix) for _, ix in busy)} prompt groups)",
+            timeout_s or self.timeout_s,
+            setting,
+        )
         out: list[list[Sample] | None] = [None] * len(requests)
         for (_, ix), groups in zip(busy, results):
             for i, group in zip(ix, groups):
                 out[i] = group
         return out  # type: ignore[return-value]
 
-    def call_all(self, method: str, *args: Any, timeout_s: float | None = None, setting: str = "rollout.timeout_s") -> list[Any]:
-        from vime_core.cluster import gather
-
-        refs = [getattr(e, method).remote(*args) for e in self.engines]
-        return gather(refs, [f"vLLM engine {i}" for i in range(len(refs))], method, timeout_s or self.timeout_s, setting)
+    def call_all(
+        self, method: str, *args: Any, timeout_s: float | None = None, setting: str = "rollout.timeout_s"
+    ) -> list[Any]:
+        return call_all(self.engines, "vLLM engine", method, args, timeout_s or self.timeout_s, setting)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -343,8 +361,6 @@ class RolloutRouter:
 # --------------------------------------------------------------------------------------------------------------------
 def request_seed(*parts: Any) -> int:
     """A stable 31-bit seed from any parts (run seed, rollout id, attempt, position): resumes sample identically."""
-    import hashlib
-
     return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
 
 
@@ -353,14 +369,14 @@ def sampling_spec(cfg) -> SamplingSpec:
     return SamplingSpec(r.n_samples_per_prompt, r.temperature, r.top_p, r.top_k, r.max_response_len, tuple(r.stop))
 
 
-def collect_rollout(rollout_id: int, cfg, buffer, router: RolloutRouter, reward_model) -> tuple[list[list[Sample]], dict[str, float], list[int]]:
+def collect_rollout(
+    rollout_id: int, cfg, buffer, router: RolloutRouter, reward_model
+) -> tuple[list[list[Sample]], dict[str, float], list[int]]:
     """Generate and score `rollout_batch_size` groups. With dynamic sampling, groups whose rewards are all equal
     (no learning signal) are dropped and more prompts are generated, up to `max_sampling_attempts`; if still short,
     dropped groups fill the batch (they carry zero advantage) so that the batch arithmetic holds.
 
     Returns (groups, metrics, dataset indices of every prompt the step consumed)."""
-    import statistics
-
     r = cfg.rollout
     spec = sampling_spec(cfg)
     want = r.rollout_batch_size
@@ -375,8 +391,10 @@ def collect_rollout(rollout_id: int, cfg, buffer, router: RolloutRouter, reward_
     while len(kept) < want and attempts < (r.max_sampling_attempts if r.dynamic_sampling else 1):
         prompts = buffer.next_batch(per_attempt)
         base = len(generated)
-        requests = [GroupRequest(p.template(group_id=base + i), request_seed(cfg.seed, rollout_id, attempts, i))
-                    for i, p in enumerate(prompts)]
+        requests = [
+            GroupRequest(p.template(group_id=base + i), request_seed(cfg.seed, rollout_id, attempts, i))
+            for i, p in enumerate(prompts)
+        ]
         groups = router.generate(requests, spec)
         reward_model.score(groups)
         generated += groups
@@ -403,10 +421,12 @@ def collect_rollout(rollout_id: int, cfg, buffer, router: RolloutRouter, reward_
         "perf/tokens_per_gpu_per_sec": sum(resp_lens) / rollout_time / max(1, cfg.rollout_devices),
     }
     if r.dynamic_sampling:
-        metrics.update({
-            "rollout/dynamic_sampling/attempts": float(attempts),
-            "rollout/dynamic_sampling/kept_groups": float(len(kept)),
-            "rollout/dynamic_sampling/dropped_groups": float(len(dropped)),
-            "rollout/dynamic_sampling/shortfall": float(shortfall),
-        })
+        metrics.update(
+            {
+                "rollout/dynamic_sampling/attempts": float(attempts),
+                "rollout/dynamic_sampling/kept_groups": float(len(kept)),
+                "rollout/dynamic_sampling/dropped_groups": float(len(dropped)),
+                "rollout/dynamic_sampling/shortfall": float(shortfall),
+            }
+        )
     return batch, metrics, consumed

@@ -32,8 +32,12 @@ class RunLockedError(VimeError, RuntimeError):
 
 
 def holder_info(flow_run: str | None = None) -> dict[str, object]:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "flow_run": flow_run or os.environ.get("PREFECT__FLOW_RUN_ID")}
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "flow_run": flow_run or os.environ.get("PREFECT__FLOW_RUN_ID"),
+    }
 
 
 def describe_holder(output_dir: Path) -> str:
@@ -64,7 +68,8 @@ def output_dir_lock(output_dir: str | Path, flow_run: str | None = None) -> Iter
             except Timeout:
                 raise RunLockedError(
                     f"output_dir {out} is in use by {describe_holder(out)}; wait for that run to finish, stop it, "
-                    "or choose another output_dir") from None
+                    "or choose another output_dir"
+                ) from None
             try:
                 (out / HOLDER_FILE).write_text(json.dumps(holder_info(flow_run), indent=2))
             except BaseException:  # a full disk, a read-only dir: do not keep a lock that nobody will release

@@ -12,14 +12,27 @@ Sources:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from vime_core.builtin import builtin_model_path, cache_dir
 from vime_core.errors import TransientError, VimeError
+from vime_core.tracking import mlflow_client
 
-MODEL_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json", "tokenizer*",
-                  "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "*.model"]
+MODEL_PATTERNS = [
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "*.model",
+]
 
 
 class SourceError(VimeError, ValueError):
@@ -41,7 +54,9 @@ def content_hash(path: Path) -> str:
     """sha256 over (relative name, size, first and last MiB) of every file: cheap for multi-GB checkpoints, and
     changes whenever a file is replaced."""
     h = hashlib.sha256()
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
+    files = (
+        [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not p.name.endswith(".lock"))
+    )
     for f in files:
         st = f.stat()
         h.update(f"{f.relative_to(path) if path.is_dir() else f.name}:{st.st_size}".encode())
@@ -76,8 +91,6 @@ def resolve_model(source: str, tracking_uri: str | None = None) -> Resolved:
     """A model source -> local HF checkpoint directory and content hash. `tracking_uri`: the MLflow registry that
     mlflow:// sources are looked up in (default: MLFLOW_TRACKING_URI)."""
     if source.startswith("builtin://"):
-        from vime_core.builtin import builtin_model_path
-
         try:
             path = builtin_model_path(source.removeprefix("builtin://"))
         except ValueError as e:
@@ -88,11 +101,15 @@ def resolve_model(source: str, tracking_uri: str | None = None) -> Resolved:
     elif source.startswith("mlflow://"):
         path = _mlflow_model(source.removeprefix("mlflow://"), tracking_uri)
     elif "://" in source:
-        raise SourceError(f"unknown model source scheme in {source!r}; use builtin://, hf://, mlflow:// or a local path")
+        raise SourceError(
+            f"unknown model source scheme in {source!r}; use builtin://, hf://, mlflow:// or a local path"
+        )
     else:
         path = Path(source).expanduser()
         if not path.exists():
-            raise SourceError(f"model path {path} does not exist; give an HF checkpoint directory (config.json + *.safetensors)")
+            raise SourceError(
+                f"model path {path} does not exist; give an HF checkpoint directory (config.json + *.safetensors)"
+            )
     if not (path / "config.json").is_file():
         raise SourceError(f"model source {source} resolved to {path}, which has no config.json (not an HF checkpoint)")
     return Resolved(source, path, content_hash(path))
@@ -115,7 +132,9 @@ def dataset_path(source: str) -> Path:
         repo, rev = _split_revision(spec.removeprefix("datasets/"))
         return _hf_snapshot(repo, rev, "dataset", ["*.jsonl", "*.parquet", "*.json"])
     if "://" in source:
-        raise SourceError(f"unknown dataset source scheme in {source!r}; use builtin://, hf://datasets/... or a local path")
+        raise SourceError(
+            f"unknown dataset source scheme in {source!r}; use builtin://, hf://datasets/... or a local path"
+        )
     path = Path(source).expanduser()
     if not path.exists():
         raise SourceError(f"dataset path {path} does not exist")
@@ -129,8 +148,15 @@ def _hf_snapshot(repo: str, revision: str | None, repo_type: str, patterns: list
     if repo.count("/") != 1:
         raise SourceError(f"hf://{repo}: expected <org>/<name>")
     try:
-        return Path(snapshot_download(repo_id=repo, revision=revision, repo_type=repo_type, allow_patterns=patterns,
-                                      token=os.environ.get("HF_TOKEN")))
+        return Path(
+            snapshot_download(
+                repo_id=repo,
+                revision=revision,
+                repo_type=repo_type,
+                allow_patterns=patterns,
+                token=os.environ.get("HF_TOKEN"),
+            )
+        )
     except LocalEntryNotFoundError as e:
         from huggingface_hub import constants
 
@@ -145,14 +171,54 @@ def _hf_snapshot(repo: str, revision: str | None, repo_type: str, patterns: list
     except HfHubHTTPError as e:
         status = getattr(getattr(e, "response", None), "status_code", None)
         if status is not None and (status == 429 or status >= 500):  # rate limit, hub outage: retryable
-            raise HubUnavailableError(f"hf://{repo}: the hub answered HTTP {status} ({str(e)[:200]}); try again later") from e
-        raise SourceError(f"hf://{repo}: the hub refused the download ({e}); check the name, revision and HF_TOKEN") from e
+            raise HubUnavailableError(
+                f"hf://{repo}: the hub answered HTTP {status} ({str(e)[:200]}); try again later"
+            ) from e
+        raise SourceError(
+            f"hf://{repo}: the hub refused the download ({e}); check the name, revision and HF_TOKEN"
+        ) from e
 
 
 def _mlflow_model(uri: str, tracking_uri: str | None) -> Path:
     """`models:/<name>@<alias>` or `models:/<name>/<version>` -> local copy of the registered HF checkpoint."""
     if not uri.startswith("models:/"):
-        raise SourceError(f"mlflow://{uri}: expected mlflow://models:/<name>@<alias> or mlflow://models:/<name>/<version>")
-    from vime_core.tracking import download_registered_model
-
+        raise SourceError(
+            f"mlflow://{uri}: expected mlflow://models:/<name>@<alias> or mlflow://models:/<name>/<version>"
+        )
     return download_registered_model(uri, tracking_uri)
+
+
+def download_registered_model(uri_or_spec: str, tracking_uri: str | None = None) -> Path:
+    """`models:/<name>@<alias>` or `models:/<name>/<version>` -> local HF checkpoint directory."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not tracking_uri:
+        raise SourceError(f"{uri_or_spec}: set MLFLOW_TRACKING_URI (or tracking.uri) to the registry that holds it")
+    client = mlflow_client(tracking_uri)
+    spec = uri_or_spec.removeprefix("models:/")
+    try:
+        if "@" in spec:
+            name, alias = spec.split("@", 1)
+            mv = client.get_model_version_by_alias(name, alias)
+        else:
+            name, version = spec.rsplit("/", 1)
+            mv = client.get_model_version(name, version)
+    except MlflowException as e:
+        raise SourceError(f"registry {tracking_uri} has no model {uri_or_spec}: {e.message.splitlines()[0]}") from None
+    # keyed by store + version source too: two registries (or a re-created one) both have a "name v1"
+    key = hashlib.sha256(f"{tracking_uri}|{mv.source}|{mv.run_id}".encode()).hexdigest()[:12]
+    target = cache_dir() / "mlflow-models" / f"{name}-v{mv.version}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    local = Path(
+        mlflow.artifacts.download_artifacts(
+            artifact_uri=mv.source, dst_path=str(target.parent / (target.name + ".dl")), tracking_uri=tracking_uri
+        )
+    )
+    if local.name.endswith(".ref.json"):  # a large export logged by reference
+        return Path(json.loads(local.read_text())["path"])
+    if not target.exists():
+        os.replace(local, target)
+    return target

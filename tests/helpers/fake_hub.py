@@ -25,7 +25,7 @@ def serve(repo_id: str, folder: Path) -> tuple[ThreadingHTTPServer, str]:
             prefix = f"/{repo_id}/resolve/"
             if not path.startswith(prefix):
                 return self._json({"error": "not found"}, 404, head)
-            _, _, name = path[len(prefix):].partition("/")
+            _, _, name = path[len(prefix) :].partition("/")
             if name not in files:
                 self.send_response(404)
                 self.send_header("X-Error-Code", "EntryNotFound")
@@ -56,11 +56,27 @@ def serve(repo_id: str, folder: Path) -> tuple[ThreadingHTTPServer, str]:
         def do_GET(self):
             path = urlparse(self.path).path
             if path.startswith(f"/api/models/{repo_id}/tree/"):
-                return self._json([{"type": "file", "path": n, "size": p.stat().st_size,
-                                    "oid": hashlib.sha1(p.read_bytes()).hexdigest()} for n, p in files.items()])
+                return self._json(
+                    [
+                        {
+                            "type": "file",
+                            "path": n,
+                            "size": p.stat().st_size,
+                            "oid": hashlib.sha1(p.read_bytes()).hexdigest(),
+                        }
+                        for n, p in files.items()
+                    ]
+                )
             if path.startswith(f"/api/models/{repo_id}"):
-                return self._json({"id": repo_id, "modelId": repo_id, "sha": COMMIT, "private": False,
-                                   "siblings": [{"rfilename": n} for n in files]})
+                return self._json(
+                    {
+                        "id": repo_id,
+                        "modelId": repo_id,
+                        "sha": COMMIT,
+                        "private": False,
+                        "siblings": [{"rfilename": n} for n in files],
+                    }
+                )
             self._file(head=False)
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -1,5 +1,5 @@
 """Megatron rank workers for tests/test_conversion.py. They live in an importable module so that torch.multiprocessing's
-spawn can start them; each rank is a fresh gloo process set up by `vime_core.checkpoint._init_rank`."""
+spawn can start them; each rank is a fresh gloo process set up by `vime_core.checkpoint.init_rank`."""
 
 from __future__ import annotations
 
@@ -17,13 +17,15 @@ def _set_layout(rank: int, world: int, port: int, tp: int, pp: int, ep: int, fir
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from vime_core.checkpoint import _init_rank
+    from vime_core.checkpoint import init_rank
 
     if first:
-        _init_rank(rank, world, port, tp, pp, ep)
+        init_rank(rank, world, port, tp, pp, ep)
         return
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+    )
     model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
 
 
@@ -51,11 +53,9 @@ def load_and_forward(rank: int, world: int, port: int, jobs: list[dict], token_i
     """For each job {name, hf_dir (the model's config), ckpt, tp, pp, ep}: build the megatron model at that layout,
     check and load the torch_dist checkpoint, run a forward on `token_ids`. Returns {name: logits as numpy} from the
     ranks that hold the last stage, or {name: "ConversionError: ..."} when the check refuses the checkpoint."""
-    from megatron.core import dist_checkpointing
-
     from vime_core import megatron_model as mm
-    from vime_core.checkpoint import ConversionError, check_torch_dist_matches, read_hf_config
-    from vime_core.qwen3_mapping import arch_from_hf_config
+    from vime_core.checkpoint import ConversionError, load_torch_dist, read_hf_config
+    from vime_core.models import arch_from_hf_config
 
     out: dict = {}
     for i, job in enumerate(jobs):
@@ -64,14 +64,10 @@ def load_and_forward(rank: int, world: int, port: int, jobs: list[dict], token_i
         arch = arch_from_hf_config(read_hf_config(job["hf_dir"]))
         model = mm.build_gpt(arch, mm.transformer_config(arch, "float32", tp=tp, ep=ep, pp=pp)).eval()
         try:
-            check_torch_dist_matches(job["ckpt"], model)
+            load_torch_dist(model, job["ckpt"])
         except ConversionError as e:
             out[job["name"]] = f"ConversionError: {e}"
             continue
-        state = dist_checkpointing.load(model.sharded_state_dict(), job["ckpt"])
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [m for m in missing if not m.endswith("_extra_state")]
-        assert not missing and not unexpected, (missing, unexpected)
         with torch.no_grad():
             logits = _forward(model, torch.tensor(token_ids))
         if logits is not None:

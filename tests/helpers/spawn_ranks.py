@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import importlib
 import queue as queue_mod
-import socket
 import time
 import traceback
+from vime_core.ports import free_port
 
 
 def spawn_ranks(module: str, fn_name: str, world: int, *args, timeout: float = 300.0) -> list:
@@ -17,9 +17,7 @@ def spawn_ranks(module: str, fn_name: str, world: int, *args, timeout: float = 3
     order. A rank's exception is raised here with its traceback; dead or hung ranks raise after `timeout`."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(module, fn_name, r, world, port, q, args)) for r in range(world)]
@@ -33,7 +31,9 @@ def spawn_ranks(module: str, fn_name: str, world: int, *args, timeout: float = 3
                 rank, ok, payload = q.get(timeout=2)
             except queue_mod.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                    raise RuntimeError(f"{fn_name}: ranks died or timed out (exit codes {[p.exitcode for p in procs]})") from None
+                    raise RuntimeError(
+                        f"{fn_name}: ranks died or timed out (exit codes {[p.exitcode for p in procs]})"
+                    ) from None
                 continue
             if not ok:
                 raise RuntimeError(f"{fn_name}: rank {rank} failed:\n{payload}")

@@ -33,7 +33,9 @@ def init_gloo_rank(rank: int, world: int, port: int) -> None:
     apply_megatron_cpu_shims()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=1
+    )
     model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
 
 
@@ -43,7 +45,7 @@ def synthetic_samples(n: int, vocab: int, seed: int = 0, empty_every: int = 0, m
     import torch
 
     from vime_core.algo import group_advantages
-    from vime_core.train import TrainSample
+    from vime_core.trainer import TrainSample
 
     rng = random.Random(seed)
     rewards = torch.tensor([float(rng.random() < 0.5) for _ in range(n)])
@@ -53,15 +55,28 @@ def synthetic_samples(n: int, vocab: int, seed: int = 0, empty_every: int = 0, m
         plen = rng.randint(2, 5)
         rlen = 0 if empty_every and i % empty_every == 0 else rng.randint(2, 7)
         mask = [1 if not masked or j < 2 or rng.random() < 0.6 else 0 for j in range(rlen)]
-        out.append(TrainSample(
-            tokens=[rng.randrange(3, vocab) for _ in range(plen + rlen)], prompt_len=plen, loss_mask=mask,
-            rollout_logprobs=[-2.0 + rng.uniform(-0.3, 0.3) for _ in range(rlen)], advantage=adv[i],
-        ))
+        out.append(
+            TrainSample(
+                tokens=[rng.randrange(3, vocab) for _ in range(plen + rlen)],
+                prompt_len=plen,
+                loss_mask=mask,
+                rollout_logprobs=[-2.0 + rng.uniform(-0.3, 0.3) for _ in range(rlen)],
+                advantage=adv[i],
+            )
+        )
     return out
 
 
-def train_rank(rank: int, world: int, port: int, model_dir: str, overrides: list[str], n_samples: int,
-               empty_every: int = 0, nan_advantage: bool = False) -> dict:
+def train_rank(
+    rank: int,
+    world: int,
+    port: int,
+    model_dir: str,
+    overrides: list[str],
+    n_samples: int,
+    empty_every: int = 0,
+    nan_advantage: bool = False,
+) -> dict:
     """Build the real Trainer with the tiny config + `overrides` (train.num_devices = world), train one rollout
     step on `synthetic_samples(n_samples)` split over the DP ranks, return {metrics, checksum before/after, error}."""
     import math
@@ -69,7 +84,7 @@ def train_rank(rank: int, world: int, port: int, model_dir: str, overrides: list
     import torch
 
     from vime_core.config import load_config
-    from vime_core.train import Trainer, split_steps_and_ranks
+    from vime_core.trainer import Trainer, split_steps_and_ranks
 
     cfg = load_config(REPO_CONFIG, [f"train.num_devices={world}", "train.cpu_threads=1", *overrides])
     trainer = Trainer(cfg, model_dir, rank, world, "127.0.0.1", port, "cpu")
@@ -78,7 +93,15 @@ def train_rank(rank: int, world: int, port: int, model_dir: str, overrides: list
         samples[1].advantage = math.nan
     steps = split_steps_and_ranks(samples, cfg.num_steps_per_rollout, cfg.train.data_parallel_size)[rank]
     before = trainer.weights_checksum()
-    out: dict = {"error": None, "metrics": {}}
+    out: dict = {"error": None, "metrics": {}, "old_logprob_samples": 0}
+    no_grad_pass = trainer._logprobs
+
+    def counted(model, samples):  # samples of the no-grad forwards of the policy (the old log-probs)
+        if model is trainer.model:
+            out["old_logprob_samples"] += len(samples)
+        return no_grad_pass(model, samples)
+
+    trainer._logprobs = counted
     try:
         out["metrics"] = trainer.train(0, steps)
     except Exception as e:  # the test looks at the message and at the weights
@@ -135,7 +158,8 @@ def tiny_ddp_model(rank: int, world: int, port: int, model_dir: str):
 
     from vime_core import megatron_model as mm
     from vime_core.checkpoint import load_hf_state_dict, read_hf_config
-    from vime_core.qwen3_mapping import arch_from_hf_config, hf_to_mcore
+    from vime_core.models import arch_from_hf_config
+    from vime_core.models.qwen3_mapping import hf_to_mcore
 
     init_gloo_rank(rank, world, port)
     arch = arch_from_hf_config(read_hf_config(model_dir))

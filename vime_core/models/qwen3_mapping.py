@@ -15,112 +15,21 @@ Layout facts that matter:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
 from vime_core.errors import VimeError
+from vime_core.namediff import describe_name_diff, name_diff
+
+if TYPE_CHECKING:
+    from vime_core.models.qwen3 import Qwen3Arch  # the architecture (read from config.json) lives there
 
 Tensor = torch.Tensor
 
 
-class UnsupportedModelError(VimeError, ValueError):
-    """The HF config describes something this mapping does not handle; the message names the field."""
-
-
 class CheckpointMismatchError(VimeError, ValueError):
     """The checkpoint's tensors do not match what the config says; the message names the tensors."""
-
-
-@dataclass(frozen=True)
-class Qwen3Arch:
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_hidden_size: int
-    vocab_size: int
-    tie_embeddings: bool
-    rope_theta: float
-    rms_norm_eps: float
-    max_position_embeddings: int
-    num_experts: int = 0
-    moe_topk: int = 0
-    moe_ffn_hidden_size: int = 0
-    norm_topk_prob: bool = True
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @property
-    def q_per_group(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-
-def arch_from_hf_config(hf: Mapping[str, Any], where: str | Path | None = None) -> Qwen3Arch:
-    """Read a Qwen3 / Qwen3-MoE config.json (of the model at `where`, for messages); anything the mapping does not
-    support raises with the field named."""
-    model_type = hf.get("model_type")
-    if model_type not in ("qwen3", "qwen3_moe"):
-        raise UnsupportedModelError(f"model {where or '(config.json)'} is not a Qwen3/Qwen3-MoE checkpoint (model_type "
-                                    f"{model_type}); vime-flow trains model_type qwen3 and qwen3_moe only")
-    if hf.get("attention_bias"):
-        raise UnsupportedModelError("config.json attention_bias = true is not supported (Qwen3 has no attention bias)")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"config.json hidden_act = {hf.get('hidden_act')!r}: only silu is supported")
-    rope = hf.get("rope_parameters") or {}
-    for field in ("rope_parameters", "rope_scaling"):  # either may be present (transformers 5 / 4): check both
-        rope_type = (hf.get(field) or {}).get("rope_type") or (hf.get(field) or {}).get("type") or "default"
-        if rope_type != "default":
-            raise UnsupportedModelError(f"config.json {field}.rope_type = {rope_type!r} is not supported (only default RoPE)")
-    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
-        raise UnsupportedModelError("config.json use_sliding_window / layer_types: sliding-window attention is not supported")
-    rope_theta = hf.get("rope_theta", rope.get("rope_theta"))
-    if rope_theta is None:
-        raise UnsupportedModelError("config.json has neither rope_theta nor rope_parameters.rope_theta")
-    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
-    absent = [k for k in required if k not in hf]
-    if absent:
-        raise UnsupportedModelError(f"config.json lacks {', '.join(absent)}")
-    heads = hf["num_attention_heads"]
-    kv = hf.get("num_key_value_heads", heads)
-    if heads % kv:
-        raise UnsupportedModelError(f"num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv}")
-    common = dict(
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        ffn_hidden_size=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"],
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_theta=float(rope_theta),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=hf.get("max_position_embeddings", 4096),
-    )
-    if model_type == "qwen3":
-        return Qwen3Arch(**common)
-    experts = hf.get("num_experts", hf.get("num_local_experts"))
-    if not experts:
-        raise UnsupportedModelError("qwen3_moe config.json has no num_experts")
-    if hf.get("mlp_only_layers"):
-        raise UnsupportedModelError(f"config.json mlp_only_layers = {hf['mlp_only_layers']} (dense layers in an MoE) is not supported")
-    if hf.get("decoder_sparse_step", 1) != 1:
-        raise UnsupportedModelError(f"config.json decoder_sparse_step = {hf['decoder_sparse_step']} is not supported (only 1)")
-    if hf.get("shared_expert_intermediate_size"):
-        raise UnsupportedModelError("config.json shared_expert_intermediate_size: shared experts are not supported")
-    return Qwen3Arch(
-        **common,
-        num_experts=int(experts),
-        moe_topk=int(hf["num_experts_per_tok"]),
-        moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-    )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -136,7 +45,11 @@ def hf_names(arch: Qwen3Arch) -> list[str]:
         names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         if arch.is_moe:
             names.append(p + "mlp.gate.weight")
-            names += [p + f"mlp.experts.{e}.{x}.weight" for e in range(arch.num_experts) for x in ("gate_proj", "up_proj", "down_proj")]
+            names += [
+                p + f"mlp.experts.{e}.{x}.weight"
+                for e in range(arch.num_experts)
+                for x in ("gate_proj", "up_proj", "down_proj")
+            ]
         else:
             names += [p + f"mlp.{x}.weight" for x in ("gate_proj", "up_proj", "down_proj")]
     return names
@@ -144,18 +57,12 @@ def hf_names(arch: Qwen3Arch) -> list[str]:
 
 def check_hf_names(present: set[str], arch: Qwen3Arch, where: str = "checkpoint") -> None:
     """Raise naming the missing / unexpected tensors (HF may also store a tied lm_head: allowed)."""
-    expected = set(hf_names(arch))
-    allowed_extra = {"lm_head.weight"} if arch.tie_embeddings else set()
-    missing = sorted(expected - present)
-    unexpected = sorted(present - expected - allowed_extra)
+    missing, unexpected = name_diff(hf_names(arch), present, {"lm_head.weight"} if arch.tie_embeddings else ())
     if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)} tensor(s): {', '.join(unexpected[:6])}{' ...' if len(unexpected) > 6 else ''}")
-        raise CheckpointMismatchError(f"{where} does not match its config.json ({'qwen3_moe' if arch.is_moe else 'qwen3'}, "
-                                      f"{arch.num_layers} layers): " + "; ".join(parts))
+        raise CheckpointMismatchError(
+            f"{where} does not match its config.json ({'qwen3_moe' if arch.is_moe else 'qwen3'}, "
+            f"{arch.num_layers} layers): " + describe_name_diff(missing, unexpected)
+        )
 
 
 def check_shapes(hf: Mapping[str, Tensor], arch: Qwen3Arch, where: str = "checkpoint") -> None:
@@ -165,23 +72,33 @@ def check_shapes(hf: Mapping[str, Tensor], arch: Qwen3Arch, where: str = "checkp
         want["lm_head.weight"] = (arch.vocab_size, H)
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
-        want.update({
-            p + "self_attn.q_proj.weight": (arch.num_heads * D, H),
-            p + "self_attn.k_proj.weight": (arch.num_kv_heads * D, H),
-            p + "self_attn.v_proj.weight": (arch.num_kv_heads * D, H),
-            p + "self_attn.o_proj.weight": (H, arch.num_heads * D),
-            p + "self_attn.q_norm.weight": (D,),
-            p + "self_attn.k_norm.weight": (D,),
-        })
+        want.update(
+            {
+                p + "self_attn.q_proj.weight": (arch.num_heads * D, H),
+                p + "self_attn.k_proj.weight": (arch.num_kv_heads * D, H),
+                p + "self_attn.v_proj.weight": (arch.num_kv_heads * D, H),
+                p + "self_attn.o_proj.weight": (H, arch.num_heads * D),
+                p + "self_attn.q_norm.weight": (D,),
+                p + "self_attn.k_norm.weight": (D,),
+            }
+        )
         if arch.is_moe:
             F = arch.moe_ffn_hidden_size
             want[p + "mlp.gate.weight"] = (arch.num_experts, H)
             for e in range(arch.num_experts):
                 q = p + f"mlp.experts.{e}."
-                want.update({q + "gate_proj.weight": (F, H), q + "up_proj.weight": (F, H), q + "down_proj.weight": (H, F)})
+                want.update(
+                    {q + "gate_proj.weight": (F, H), q + "up_proj.weight": (F, H), q + "down_proj.weight": (H, F)}
+                )
         else:
             F = arch.ffn_hidden_size
-            want.update({p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H), p + "mlp.down_proj.weight": (H, F)})
+            want.update(
+                {
+                    p + "mlp.gate_proj.weight": (F, H),
+                    p + "mlp.up_proj.weight": (F, H),
+                    p + "mlp.down_proj.weight": (H, F),
+                }
+            )
     for name, shape in want.items():  # values: tensors, or shapes (read from safetensors headers)
         got = tuple(getattr(hf[name], "shape", hf[name]))
         if got != shape:
@@ -217,10 +134,14 @@ def hf_to_mcore(hf: Mapping[str, Tensor], arch: Qwen3Arch) -> dict[str, Tensor]:
             out[m + "mlp.router.weight"] = hf[p + "mlp.gate.weight"]
             for e in range(arch.num_experts):
                 src, dst = p + f"mlp.experts.{e}.", m + f"mlp.experts.local_experts.{e}."
-                out[dst + "linear_fc1.weight"] = torch.cat([hf[src + "gate_proj.weight"], hf[src + "up_proj.weight"]], 0)
+                out[dst + "linear_fc1.weight"] = torch.cat(
+                    [hf[src + "gate_proj.weight"], hf[src + "up_proj.weight"]], 0
+                )
                 out[dst + "linear_fc2.weight"] = hf[src + "down_proj.weight"]
         else:
-            out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], 0)
+            out[m + "mlp.linear_fc1.weight"] = torch.cat(
+                [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], 0
+            )
             out[m + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"]
     return out
 
@@ -256,8 +177,11 @@ def mcore_param_to_hf(name: str, t: Tensor, arch: Qwen3Arch) -> list[tuple[str, 
     if rest == "self_attention.linear_qkv.weight":
         H, D, G, qpg = arch.hidden_size, arch.head_dim, arch.num_kv_heads, arch.q_per_group
         q, k, v = torch.split(t.reshape(G, (qpg + 2) * D, H), [qpg * D, D, D], dim=1)
-        return [(p + "self_attn.q_proj.weight", q.reshape(-1, H)), (p + "self_attn.k_proj.weight", k.reshape(-1, H)),
-                (p + "self_attn.v_proj.weight", v.reshape(-1, H))]
+        return [
+            (p + "self_attn.q_proj.weight", q.reshape(-1, H)),
+            (p + "self_attn.k_proj.weight", k.reshape(-1, H)),
+            (p + "self_attn.v_proj.weight", v.reshape(-1, H)),
+        ]
     if rest == "mlp.linear_fc1.weight":
         gate, up = torch.chunk(t, 2, 0)
         return [(p + "mlp.gate_proj.weight", gate), (p + "mlp.up_proj.weight", up)]
@@ -269,11 +193,6 @@ def mcore_param_to_hf(name: str, t: Tensor, arch: Qwen3Arch) -> list[tuple[str, 
         gate, up = torch.chunk(t, 2, 0)
         return [(q + "gate_proj.weight", gate), (q + "up_proj.weight", up)]
     raise CheckpointMismatchError(f"megatron parameter {name} has no HF counterpart")
-
-
-def mcore_to_hf(mc: Mapping[str, Tensor], arch: Qwen3Arch) -> dict[str, Tensor]:
-    """Full megatron tensors (global expert ids) -> full HF tensors. Exact inverse of `hf_to_mcore`."""
-    return {k: v.contiguous() for name, t in mc.items() for k, v in mcore_param_to_hf(name, t, arch)}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -329,8 +248,17 @@ def with_expert_index(name: str, index: int) -> str:
     return f"{m.group(1)}{index}{m.group(3)}"
 
 
-def local_view(full: Mapping[str, Tensor], tp: int, tp_rank: int, ep: int, ep_rank: int, num_experts: int,
-               pp: int = 1, pp_rank: int = 0, num_layers: int | None = None) -> dict[str, Tensor]:
+def local_view(
+    full: Mapping[str, Tensor],
+    tp: int,
+    tp_rank: int,
+    ep: int,
+    ep_rank: int,
+    num_experts: int,
+    pp: int = 1,
+    pp_rank: int = 0,
+    num_layers: int | None = None,
+) -> dict[str, Tensor]:
     """A rank's local megatron state dict from full tensors: its pipeline stage's layers (renumbered from 0, the
     embedding on the first stage, the final norm and output layer on the last), its experts (local ids) and its TP
     shards."""

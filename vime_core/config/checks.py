@@ -1,0 +1,95 @@
+"""Validation beyond one field: the problems between fields of the config alone, run by `RunConfig` itself. (What
+needs the model's architecture is `vime_core.models.check_model_compat`, one layer up.)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vime_core.config.schema import RunConfig
+
+
+def cross_field_problems(c: RunConfig) -> Iterator[str]:
+    r, t = c.rollout, c.train
+    samples = c.samples_per_rollout
+    if samples % t.global_batch_size:
+        yield (
+            f"rollout.rollout_batch_size * rollout.n_samples_per_prompt = {r.rollout_batch_size} * "
+            f"{r.n_samples_per_prompt} = {samples} is not divisible by train.global_batch_size = {t.global_batch_size}; "
+            f"pick a global_batch_size that divides {samples}"
+        )
+    if t.num_devices % t.model_parallel_size:
+        yield (
+            f"train.num_devices = {t.num_devices} is not divisible by train.tensor_parallel_size * "
+            f"train.pipeline_parallel_size = {t.model_parallel_size}; use a num_devices that is a multiple of "
+            f"{t.model_parallel_size} or smaller parallel sizes"
+        )
+    elif t.global_batch_size % t.data_parallel_size:
+        yield (
+            f"train.global_batch_size = {t.global_batch_size} is not divisible by the data parallel size "
+            f"{t.data_parallel_size} (train.num_devices / (TP*PP)); pick a global_batch_size that is a multiple of "
+            f"{t.data_parallel_size}"
+        )
+    if t.expert_parallel_size > 1 and t.num_devices % t.expert_parallel_size:
+        yield f"train.expert_parallel_size = {t.expert_parallel_size} does not divide train.num_devices = {t.num_devices}"
+    if t.sequence_parallel:
+        yield (
+            "train.sequence_parallel is not supported yet (megatron-core's local layer spec, which vime-flow builds, "
+            "has no sequence-parallel RMSNorm); set it to false"
+        )
+    if t.distributed_optimizer and t.optimizer == "adamw":
+        yield "train.distributed_optimizer needs megatron's optimizer; set train.optimizer to megatron or auto"
+    if t.distributed_optimizer and c.checkpoint.save_optimizer:
+        yield (
+            "train.distributed_optimizer = true cannot be checkpointed yet (its sharded optimizer format is not "
+            "implemented); set checkpoint.save_optimizer = false (a resume then restarts Adam's moments) or "
+            "train.distributed_optimizer = false"
+        )
+    if c.cluster.colocate and t.num_devices != c.rollout_devices:
+        yield (
+            f"cluster.colocate needs as many trainer devices as rollout devices: train.num_devices = {t.num_devices} but "
+            f"rollout.num_engines * rollout.engine_tensor_parallel_size = {c.rollout_devices}; make them equal or "
+            f"set cluster.colocate = false"
+        )
+    if c.cluster.platform == "cpu" and c.sync.strategy in ("cuda_ipc", "nccl"):
+        yield f"sync.strategy = {c.sync.strategy} needs a GPU platform; on cluster.platform = cpu use `cpu` or `auto`"
+    if c.rollout.max_staleness > 0 and c.cluster.colocate:
+        yield (
+            f"rollout.max_staleness = {c.rollout.max_staleness} needs cluster.colocate = false: colocated engines "
+            f"sleep while the trainer works, so nothing can overlap; set rollout.max_staleness = 0 or "
+            f"cluster.colocate = false"
+        )
+    if c.sync.strategy == "cuda_ipc" and not c.cluster.colocate:
+        yield "sync.strategy = cuda_ipc needs cluster.colocate = true (IPC handles only work on shared devices)"
+    if t.lr_schedule != "constant" and t.lr_decay_steps is None:
+        yield f"train.lr_schedule = {t.lr_schedule} needs train.lr_decay_steps (so that extending a run keeps the schedule)"
+    if t.min_lr > t.lr:
+        yield f"train.min_lr = {t.min_lr} is above train.lr = {t.lr}"
+    if c.eval.pass_k > c.eval.n_samples_per_eval_prompt:
+        yield (
+            f"eval.pass_k = {c.eval.pass_k} is larger than eval.n_samples_per_eval_prompt = "
+            f"{c.eval.n_samples_per_eval_prompt}; lower eval.pass_k or raise eval.n_samples_per_eval_prompt"
+        )
+    names = [d.name for d in c.eval.datasets]
+    if len(set(names)) != len(names):
+        yield f"eval.datasets names must be unique, got {names}"
+    if r.dynamic_sampling:
+        if r.over_sampling_batch_size is None:
+            yield "rollout.dynamic_sampling needs rollout.over_sampling_batch_size (prompts per attempt)"
+    if c.grpo.policy_loss == "gspo" and c.grpo.use_tis is True:
+        yield "grpo.use_tis is token-level and not defined for grpo.policy_loss = gspo"
+    if c.grpo.use_tis == "auto":  # left by resolve_use_tis: GSPO off-policy
+        yield (
+            f"rollout.max_staleness = {r.max_staleness} with grpo.policy_loss = gspo: the behaviour policy is stale "
+            f"and TIS (grpo.use_tis) is token-level, not defined for GSPO; set grpo.use_tis = false to train on "
+            f"stale samples without a correction, grpo.policy_loss = ppo, or rollout.max_staleness = 0"
+        )
+
+
+def resolve_use_tis(c: RunConfig) -> None:
+    """grpo.use_tis = auto becomes a bool: on when rollout.max_staleness > 0 (the samples come from an older policy
+    than the one trained: truncated importance sampling against their rollout log-probs corrects for it), off
+    on-policy. GSPO off-policy is left `auto` for cross_field_problems to refuse."""
+    if c.grpo.use_tis == "auto" and not (c.grpo.policy_loss == "gspo" and c.rollout.max_staleness > 0):
+        c.grpo.use_tis = c.rollout.max_staleness > 0

@@ -1,0 +1,90 @@
+"""Batch arithmetic of the trainer, pure (no process group, no model): rollout groups -> trainer samples with GRPO
+advantages (`make_train_batch`, driver side), their split over optimizer steps and data-parallel ranks, and the
+token-budget packing of micro-batches (on each rank)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vime_core import algo
+from vime_core.config import RunConfig
+
+
+@dataclass
+class TrainSample:
+    """What the trainer needs of a rollout sample."""
+
+    tokens: list[int]  # prompt + response
+    prompt_len: int
+    loss_mask: list[int]  # per response token
+    rollout_logprobs: list[float]  # per response token
+    advantage: float
+
+    @property
+    def response_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+def split_steps_and_ranks(samples: list[TrainSample], num_steps: int, dp: int) -> list[list[list[TrainSample]]]:
+    """[dp_rank][optimizer_step] -> samples. Each step takes a contiguous slice of the rollout (whole groups when the
+    global batch is a multiple of the group size); within a step, samples go to DP ranks balancing their tokens."""
+    if len(samples) % num_steps:
+        raise ValueError(f"{len(samples)} samples do not split into {num_steps} optimizer steps")
+    per_step = len(samples) // num_steps
+    out: list[list[list[TrainSample]]] = [[[] for _ in range(num_steps)] for _ in range(dp)]
+    for step in range(num_steps):
+        chunk = samples[step * per_step : (step + 1) * per_step]
+        loads = [0] * dp
+        counts = [0] * dp
+        cap = per_step // dp  # every rank gets the same number of samples (sample_mean normalises by it)
+        for s in sorted(chunk, key=lambda s: -len(s.tokens)):
+            r = min((k for k in range(dp) if counts[k] < cap), key=lambda k: (loads[k], k))
+            out[r][step].append(s)
+            loads[r] += len(s.tokens)
+            counts[r] += 1
+    return out
+
+
+def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Token-budget packing: each micro-batch's summed length <= max_tokens (samples are packed into one row, no
+    padding); a sample longer than the budget gets its own micro-batch. First fit over samples sorted longest first,
+    so few micro-batches and each sample's place depends only on the lengths (deterministic)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        n = lengths[i]
+        k = next((j for j, used in enumerate(loads) if used + n <= max_tokens), None)
+        if k is None:
+            batches.append([i])
+            loads.append(n)
+        else:
+            batches[k].append(i)
+            loads[k] += n
+    return batches
+
+
+def make_train_batch(groups: list, cfg: RunConfig) -> tuple[list[TrainSample], dict[str, float]]:
+    """Scored groups -> trainer samples with GRPO advantages (group-normalised rewards broadcast to every token)."""
+    n = cfg.rollout.n_samples_per_prompt
+    samples = [s for g in groups for s in g]
+    if any(len(g) != n for g in groups):
+        raise ValueError(f"every group must hold rollout.n_samples_per_prompt = {n} samples")
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    if not torch.isfinite(rewards).all():  # RewardModel refuses these already; a NaN here would reach every weight
+        bad = int((~torch.isfinite(rewards)).nonzero()[0])
+        raise ValueError(f"sample {bad % n} of group {bad // n} has a non-finite reward {samples[bad].reward}")
+    adv = algo.group_advantages(rewards, n, cfg.grpo.normalize_std)
+    batch = [
+        TrainSample(
+            tokens=list(s.prompt_ids) + list(s.response_ids),
+            prompt_len=len(s.prompt_ids),
+            loss_mask=list(s.mask),
+            rollout_logprobs=list(s.rollout_logprobs),
+            advantage=float(a),
+        )
+        for s, a in zip(samples, adv.tolist())
+    ]
+    return batch, {"rollout/rewards": float(adv.mean()), "rollout/advantage_abs_mean": float(adv.abs().mean())}

@@ -1,0 +1,81 @@
+"""`TrainerGroup`, driver side: the trainer ranks (Ray actors, see vime_core.trainer.rank) seen as one trainer by the
+loop. It turns scored rollout groups into each rank's samples (vime_core.trainer.batching) and bounds every call."""
+
+from __future__ import annotations
+
+from vime_core.config import RunConfig
+from vime_core.trainer.batching import make_train_batch, split_steps_and_ranks
+
+
+class TrainerGroup:
+    """The trainer ranks (Ray actors) seen as one trainer by the loop."""
+
+    def __init__(self, actors: list, cfg: RunConfig):
+        self.actors, self.cfg = actors, cfg
+
+    def call_all(self, method: str, *args, timeout_s: float | None = None, setting: str = "train.timeout_s") -> list:
+        """`method` on every rank; one that does not answer within `timeout_s` (default train.timeout_s) raises
+        naming the rank, the method and the `setting` that bounds it."""
+        from vime_core.rpc import call_all
+
+        return call_all(
+            self.actors,
+            "trainer rank",
+            method,
+            args,
+            timeout_s or self.cfg.train.timeout_s,
+            setting if timeout_s else "train.timeout_s",
+        )
+
+    def train(self, rollout_id: int, groups: list) -> dict[str, float]:
+        from vime_core.rpc import gather
+
+        t = self.cfg.train
+        samples, metrics = make_train_batch(groups, self.cfg)
+        per_dp = split_steps_and_ranks(samples, self.cfg.num_steps_per_rollout, t.data_parallel_size)
+        # megatron's rank order is tp-cp-ep-dp-pp: ranks of one TP group are consecutive
+        futures = [
+            a.train.remote(rollout_id, per_dp[rank // t.tensor_parallel_size % t.data_parallel_size])
+            for rank, a in enumerate(self.actors)
+        ]
+        done = gather(
+            futures,
+            [f"trainer rank {i}" for i in range(len(futures))],
+            f"train (rollout {rollout_id})",
+            t.timeout_s,
+            "train.timeout_s",
+        )
+        return {**metrics, **done[0]}
+
+    def export_hf_weights(self) -> list:
+        return self.call_all("export_hf_weights")[0]
+
+    def weights_checksum(self) -> float:
+        return sum(self.call_all("weights_checksum"))
+
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        self.call_all("save_checkpoint", ckpt_dir)
+
+    def load_checkpoint(self, ckpt_dir: str) -> int:
+        return self.call_all("load_checkpoint", ckpt_dir)[0]
+
+    def info(self) -> list[dict]:
+        return self.call_all("info")
+
+    def offload_optimizer(self) -> None:
+        """Colocated GPUs (train.offload_optimizer): optimizer state to host memory while vLLM generates."""
+        if getattr(self, "_offload", True):
+            self._offload = all(self.call_all("offload_optimizer"))
+
+    def onload_optimizer(self) -> None:
+        if getattr(self, "_offload", True):
+            self._offload = all(self.call_all("onload_optimizer"))
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.get(a.shutdown.remote(), timeout=30)
+            except Exception:  # the actor may already be gone; ray.shutdown cleans up
+                pass

@@ -1,0 +1,153 @@
+"""One optimizer interface over torch AdamW and megatron-core's optimizer: build, zero the gradients, and one step
+(reduce, clip, NaN guard, apply at a learning rate). The step itself (`trainer.step`) never asks which one it has.
+
+torch AdamW runs on every platform (the only one on CPU, where megatron's optimizer is CUDA-only); megatron-core's
+(DistributedOptimizer when DP > 1 and train.distributed_optimizer) keeps fp32 main params and its DDP gradient
+buffers, so `model` is then the DDP wrapper while `module` stays the GPTModel.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+import torch.distributed as dist
+
+from vime_core.config import RunConfig
+from vime_core.grads import megatron_grads_finite, sync_and_clip_grads
+from vime_core.loss import NonFiniteStepError, check_finite_step, set_step_schedule
+
+
+class OptimizerAdapter(ABC):
+    """`optimizer` (the torch / megatron object: its state_dict is what a checkpoint saves), `model` (what the
+    forward runs and offload moves: the GPTModel, or megatron's DDP around it) and `kind` (adamw | megatron)."""
+
+    kind = ""
+
+    def __init__(self, optimizer, model):
+        self.optimizer, self.model = optimizer, model
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Before the first micro-batch of an optimizer step."""
+
+    @abstractmethod
+    def apply(self, lr: float, loss: float, where: str) -> float:
+        """Reduce, clip and apply the accumulated gradients at learning rate `lr`; returns the global grad norm.
+        A non-finite `loss` (the step's, equal on every rank) or gradient raises NonFiniteStepError on every rank
+        before the optimizer touches the weights or its moments; `where` names the step in that error."""
+
+
+class TorchAdamW(OptimizerAdapter):
+    """torch AdamW (params in cfg.model.dtype); gradients summed over DP and clipped by vime_core.grads."""
+
+    kind = "adamw"
+
+    def __init__(self, cfg: RunConfig, module: torch.nn.Module, ps, device: torch.device):
+        t = cfg.train
+        decay, no_decay = [], []
+        for p in module.parameters():
+            (no_decay if p.ndim < 2 else decay).append(p)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=t.lr,
+            betas=(t.adam_beta1, t.adam_beta2),
+            eps=t.adam_eps,
+        )
+        super().__init__(optimizer, module)
+        self.module, self.ps, self.clip_grad, self.device = module, ps, t.clip_grad, device
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def apply(self, lr: float, loss: float, where: str) -> float:
+        set_step_schedule(self.optimizer.param_groups, lr, None)
+        # sum over data-parallel ranks, the global norm (TP/EP-aware), clip: the same value on every rank
+        grad_norm = sync_and_clip_grads(self.module, self.ps, self.clip_grad, self.device)
+        check_finite_step(loss, grad_norm, where)
+        self.optimizer.step()
+        return grad_norm
+
+
+class MegatronOptimizer(OptimizerAdapter):
+    """megatron-core's optimizer with fp32 main params over its DDP gradient buffers (GPU only)."""
+
+    kind = "megatron"
+
+    def __init__(self, cfg: RunConfig, module: torch.nn.Module, tf_config, device: torch.device):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        t = cfg.train
+        distributed = t.distributed_optimizer and t.data_parallel_size > 1
+        model = DistributedDataParallel(
+            tf_config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed
+            ),
+            module=module,
+        )
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=t.lr,
+                min_lr=t.min_lr,
+                weight_decay=t.weight_decay,
+                adam_beta1=t.adam_beta1,
+                adam_beta2=t.adam_beta2,
+                adam_eps=t.adam_eps,
+                clip_grad=t.clip_grad,
+                bf16=cfg.model.dtype == "bfloat16",
+                params_dtype=tf_config.params_dtype,
+                use_distributed_optimizer=distributed,
+            ),
+            [model],
+        )
+        super().__init__(optimizer, model)
+        self.weight_decay, self.device = t.weight_decay, device
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def apply(self, lr: float, loss: float, where: str) -> float:
+        from megatron.core.distributed import finalize_model_grads
+
+        set_step_schedule(self.optimizer.param_groups, lr, self.weight_decay)
+        # DP all-reduce (or reduce-scatter), plus the TP sum of the q/k layer-norm gradients (see vime_core.grads)
+        finalize_model_grads([self.model])
+        # megatron's bf16/fp32 optimizer checks nothing (only fp16's loss scaler looks for inf): check the buffers
+        check_finite_step(
+            loss, None if all_ranks_ok(megatron_grads_finite(self.model), self.device) else math.nan, where
+        )
+        ok, grad_norm, _ = self.optimizer.step()  # clips by the global norm itself
+        if not ok:
+            raise NonFiniteStepError(
+                f"{where}: megatron's optimizer found non-finite gradients; the step was not applied"
+            )
+        return float(grad_norm)
+
+
+def make_optimizer(
+    cfg: RunConfig, platform: str, module: torch.nn.Module, tf_config, ps, device: torch.device
+) -> OptimizerAdapter:
+    """train.optimizer: `auto` is adamw on CPU, megatron on a GPU."""
+    kind = cfg.train.optimizer
+    if kind == "auto":
+        kind = "adamw" if platform == "cpu" else "megatron"
+    if kind == "megatron":
+        if platform == "cpu":
+            raise ValueError(
+                "train.optimizer = megatron needs a GPU (megatron-core's optimizer is CUDA-only); use adamw"
+            )
+        return MegatronOptimizer(cfg, module, tf_config, device)
+    return TorchAdamW(cfg, module, ps, device)
+
+
+def all_ranks_ok(flag: bool, device: torch.device) -> bool:
+    """`flag` ANDed over every trainer rank (one tiny all-reduce), so that all ranks stop together."""
+    t = torch.tensor([0.0 if flag else 1.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t) == 0.0

@@ -1,0 +1,231 @@
+"""One trainer rank, the Ray actor (`Trainer`, created by cluster.create_trainers, driven by `TrainerGroup`): its setup
+(process group, megatron's parallel state, the model build), the weight-export RPC entry points of the transports in
+vime_core/sync/, colocated memory, and its info. The training step is `TrainStep` (vime_core.trainer.step), the
+checkpoint I/O `RankCheckpoint` (vime_core.trainer.checkpoint_io), both mixed in here so that the actor is one object.
+
+Optimizers (vime_core.trainer.optim): torch AdamW (every platform; the only one on CPU, where megatron's optimizer is
+CUDA-only) or megatron-core's DistributedOptimizer (GPU). The LR is a pure function of the optimizer's step count,
+which is saved with the optimizer, so a resume can never advance the schedule twice.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from vime_core.config import RunConfig
+from vime_core.schedule import cpu_threads, ray_node_id
+from vime_core.sync import cpu as sync_cpu, cuda_ipc, nccl
+from vime_core.sync.base import BucketExport, hf_named, release_device_cache
+from vime_core.trainer.checkpoint_io import RankCheckpoint
+from vime_core.trainer.optim import make_optimizer
+from vime_core.trainer.step import TrainStep
+
+
+class Trainer(TrainStep, RankCheckpoint):
+    """One trainer rank. Construct all ranks of a group concurrently: __init__ joins the process group."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        model_dir: str,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        platform: str,
+        init_checkpoint: str | None = None,
+    ):
+        from vime_core.platform import apply_megatron_compat, apply_megatron_cpu_shims, apply_offline_env
+
+        apply_offline_env()
+        apply_megatron_compat()
+        self.cfg, self.rank, self.world_size, self.platform = cfg, rank, world_size, platform
+        if platform == "cpu":
+            apply_megatron_cpu_shims()
+            torch.set_num_threads(
+                cpu_threads(
+                    os.cpu_count() or 1,
+                    cfg.rollout.max_staleness,
+                    "train",
+                    world_size,
+                    cfg.rollout.num_engines,
+                    cfg.train.cpu_threads,
+                )
+            )
+            self.device = torch.device("cpu")
+        else:
+            self.device = torch.device("cuda", 0)  # the actor sees exactly its own GPU (cluster._actor_env)
+            torch.cuda.set_device(self.device)
+        self._init_parallel(master_addr, master_port)
+        self._build(model_dir, init_checkpoint)
+
+    # -- setup --------------------------------------------------------------------------------------------------------
+    def _init_parallel(self, master_addr: str, master_port: int) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        from vime_core.platform import dist_backend
+
+        t = self.cfg.train
+        if not dist.is_initialized():
+            from vime_core.ports import tcp_store
+
+            timeout = timedelta(minutes=30)
+            dist.init_process_group(
+                dist_backend(self.platform),
+                store=tcp_store(master_addr, master_port, self.rank, self.world_size, timeout),  # master_addr only
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timeout,
+            )
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=t.tensor_parallel_size,
+            pipeline_model_parallel_size=t.pipeline_parallel_size,
+            expert_model_parallel_size=t.expert_parallel_size,
+        )
+        seed = self.cfg.seed + 100 * ps.get_pipeline_model_parallel_rank()
+        torch.manual_seed(seed)
+        if self.platform == "cpu":
+            model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)  # dropout is 0: no RNG tracker needed
+        else:
+            model_parallel_cuda_manual_seed(seed)
+        self.ps = ps
+
+    def _build(self, model_dir: str, init_checkpoint: str | None) -> None:
+        """Policy (and frozen reference) from the HF checkpoint, or the policy from a converted torch_dist one."""
+        from vime_core import megatron_model as mm
+        from vime_core.checkpoint import load_hf_state_dict, read_hf_config
+        from vime_core.models import arch_from_hf_config
+        from vime_core.models.qwen3_mapping import hf_to_mcore
+
+        t = self.cfg.train
+        self.arch = arch_from_hf_config(read_hf_config(model_dir))
+        self.tf_config = mm.transformer_config(
+            self.arch,
+            self.cfg.model.dtype,
+            t.tensor_parallel_size,
+            t.expert_parallel_size,
+            t.sequence_parallel,
+            on_cpu=self.platform == "cpu",
+            recompute=mm.resolve_recompute(t.recompute, self.platform),
+        )
+        need_ref = self.cfg.grpo.kl_loss_coef > 0
+        # a converted checkpoint replaces every policy weight: read the HF files only when something uses them
+        full = hf_to_mcore(load_hf_state_dict(model_dir), self.arch) if need_ref or not init_checkpoint else None
+        self.module = mm.build_gpt(self.arch, self.tf_config).to(self.device)  # the GPTModel itself
+        if init_checkpoint:
+            self._load_model(Path(init_checkpoint))
+        else:
+            mm.load_full_weights(self.module, full, self.arch)
+        self.ref_model = None
+        if need_ref:
+            self.ref_model = mm.build_gpt(self.arch, self.tf_config).to(self.device).eval()
+            mm.load_full_weights(self.ref_model, full, self.arch)
+            self.ref_model.requires_grad_(False)
+        del full
+        self.optim = make_optimizer(self.cfg, self.platform, self.module, self.tf_config, self.ps, self.device)
+        # the torch / megatron optimizer, and what the forward runs (megatron's DDP around `module`, or `module`)
+        self.optimizer, self.model, self.optimizer_kind = self.optim.optimizer, self.optim.model, self.optim.kind
+        self.step = 0  # optimizer steps taken; the LR schedule is a function of it
+        self._init_memory()
+
+    # -- weights out: the trainer halves of vime_core/sync/ (collective over trainer ranks, called in lockstep) -------
+    def _full_weights(self) -> tuple[Iterator[tuple[str, torch.Tensor]], Callable]:
+        """(megatron name, full tensor) of every parameter (a collective walk), and the megatron -> HF mapping."""
+        from vime_core.megatron_model import iter_full_weights
+        from vime_core.models.qwen3_mapping import mcore_param_to_hf
+
+        return iter_full_weights(self.module, self.arch), partial(mcore_param_to_hf, arch=self.arch)
+
+    def export_hf_weights(self) -> list[tuple[str, torch.Tensor]] | None:
+        """`cpu`: full HF-named weights (CPU tensors) on global rank 0, None elsewhere. Collective over all ranks."""
+        return sync_cpu.send(*self._full_weights(), self.rank == 0)
+
+    def begin_weight_export(self, bucket_bytes: int) -> None:
+        """`cuda_ipc` / `nccl`: start a bucketed export of the HF-named weights in the engine's dtype."""
+        from vime_core.megatron_model import DTYPES
+
+        named = hf_named(*self._full_weights(), DTYPES[self.cfg.model.engine_dtype])
+        self._export = BucketExport(named, bucket_bytes, self.device)
+
+    def next_ipc_bucket(self):
+        """Pack the next bucket on this rank's GPU; -> (device UUID, CUDA IPC handle, layout) or None when done."""
+        return cuda_ipc.send(self._export, self.platform)
+
+    def free_address(self) -> tuple[str, int]:
+        return nccl.free_address()
+
+    def init_weight_group(self, address: str, port: int, world_size: int) -> None:
+        """Rank 0 joins the NCCL group it shares with every engine worker (vLLM's stateless group)."""
+        self._weight_comm = nccl.join_trainer(address, port, world_size, self.device)
+
+    def next_nccl_bucket(self):
+        """Pack the next bucket; -> (layout, nbytes) or None. Rank 0 then broadcasts it (`broadcast_bucket`)."""
+        return nccl.send(self._export)
+
+    def broadcast_bucket(self) -> None:
+        nccl.broadcast(self._weight_comm, self._export)
+
+    def end_weight_export(self) -> None:
+        self._export = None
+        release_device_cache(self.device)
+
+    def weights_checksum(self) -> float:
+        """Sum of |w| over this rank's parameters (tests use it to see that weights changed)."""
+        return float(sum(p.detach().float().abs().sum() for p in self.module.parameters()))
+
+    # -- colocated memory (vime_core.memory) -------------------------------------------------------------------------
+    def _init_memory(self) -> None:
+        from vime_core.memory import HostOffload, PhasePeaks, offload_enabled
+
+        self.peaks = PhasePeaks(self.device)
+        self.offloader = HostOffload(self.optimizer, self.model, self.module, self.device)
+        self.offload_enabled = offload_enabled(
+            self.cfg.train.offload_optimizer, self.cfg.cluster.colocate, self.platform
+        )
+        self.offload_times = {"offload": 0.0, "onload": 0.0}
+
+    def offload_optimizer(self) -> bool:
+        """Optimizer state and gradients to pinned host memory (vLLM generates next). False when not enabled."""
+        if not self.offload_enabled:
+            return False
+        self.offload_times["offload"] = self.offloader.offload()
+        self.peaks.record("offloaded", torch.cuda.memory_allocated(self.device) / 2**30)
+        return True
+
+    def onload_optimizer(self) -> bool:
+        """Back on the device before training. False when not enabled."""
+        if not self.offload_enabled:
+            return False
+        self.offload_times["onload"] = self.offloader.onload()
+        return True
+
+    def info(self) -> dict[str, Any]:
+        from vime_core.platform import max_rss_gib
+
+        cuda = self.device.type == "cuda"
+        return {
+            "rank": self.rank,
+            "params": sum(p.numel() for p in self.module.parameters()),
+            "step": self.step,
+            "device": str(self.device),
+            "max_rss_gib": max_rss_gib(),
+            "max_gpu_mem_gib": max([torch.cuda.max_memory_allocated(self.device) / 2**30, *self.peaks.max.values()])
+            if cuda
+            else 0.0,
+            "gpu_peak_gib_by_phase": dict(self.peaks.max),  # logprobs, train (whole step), offloaded (held meanwhile)
+            "host_offload_gib": self.offloader.host_bytes() / 2**30,
+            "node_id": ray_node_id(),  # which Ray node the rank runs on (tests of multi-node placement ask Ray)
+        }
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            self.ps.destroy_model_parallel()
+            dist.destroy_process_group()

@@ -1,0 +1,269 @@
+"""The training step of a trainer rank: the forward (packed micro-batches -> response-token log-probs), the old and
+reference log-probs, `train` (one rollout step: `num_steps_per_rollout` optimizer steps) and `_optimizer_step`, and
+the reductions over data-parallel ranks. The loss of a micro-batch is vime_core.loss; the optimizer behind
+`self.optim` is vime_core.trainer.optim.
+
+Per rollout step (`train`): the log-probs of the rollout tokens under the current policy (the "old" log-probs of
+PPO; their distance to vLLM's is `train/train_rollout_logprob_abs_diff`: a no-grad forward first, or with one step per
+rollout the training forward's own, see `train.old_logprobs`), then the optimizer steps, each over micro-batches
+packed by a token budget, gradients summed over data-parallel ranks and clipped by the global norm computed across
+tensor- and expert-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from vime_core.loss import (
+    METRIC_KEYS,
+    MicroBatch,
+    loss_scale,
+    lr_at,
+    micro_batch_loss,
+    step_denominator,
+    step_train_metrics,
+)
+from vime_core.memory import to_device, train_step_memory
+from vime_core.trainer.batching import TrainSample, pack_micro_batches
+
+
+class TrainStep:
+    """Mixed into `Trainer` (vime_core.trainer.rank), which sets what these methods read: `cfg`, `device`, `ps`
+    (megatron's parallel state), `model` / `ref_model`, `optim` (an OptimizerAdapter), `optimizer_kind`, `peaks`,
+    `step` and `world_size`."""
+
+    # -- forward ------------------------------------------------------------------------------------------------------
+    def _forward(
+        self, model, batch: list[TrainSample], with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Log-probs (and entropy) of every response token of `batch`, concatenated; and each token's sample index.
+
+        The samples are packed into one row (megatron's thd format: positions and attention restart per sample, see
+        vime_core.attention); the log-probs come from the final hidden states chunk by chunk (vime_core.logprobs)."""
+        from vime_core import megatron_model as mm
+        from vime_core.attention import packed_seq_params
+        from vime_core.logprobs import chunked_logprobs
+
+        lens = [len(s.tokens) for s in batch]
+        ids = to_device([t for s in batch for t in s.tokens], torch.long, self.device)
+        pos = to_device([i for n in lens for i in range(n)], torch.long, self.device)
+        gpt = mm.unwrap(model)
+        with mm.hidden_states_only(gpt):
+            hidden = model(
+                input_ids=ids.unsqueeze(0),
+                position_ids=pos.unsqueeze(0),
+                attention_mask=None,
+                packed_seq_params=packed_seq_params(lens, self.device),
+            )  # [tokens, 1, h]
+        # position t predicts token t+1: gather the positions that predict response tokens
+        cols, sample_ids, start = [], [], 0
+        for i, s in enumerate(batch):
+            r = s.response_len
+            cols += range(start + s.prompt_len - 1, start + s.prompt_len - 1 + r)
+            sample_ids += [i] * r
+            start += len(s.tokens)
+        cols_t = to_device(cols, torch.long, self.device)
+        picked = hidden.squeeze(1).index_select(0, cols_t)
+        # logits / temperature: vLLM's processed log-probs
+        logp, ent = chunked_logprobs(
+            picked,
+            mm.output_weight(gpt),
+            ids.index_select(0, cols_t + 1),
+            self.cfg.rollout.temperature,
+            with_entropy,
+            self.cfg.train.logprob_chunk_tokens,
+        )
+        return logp, ent, to_device(sample_ids, torch.long, self.device)
+
+    @torch.no_grad()
+    def _logprobs(self, model, samples: list[TrainSample]) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        with self.peaks.phase("logprobs"):
+            for mb in pack_micro_batches([len(s.tokens) for s in samples], self.cfg.train.max_tokens_per_device):
+                logp, _, sid = self._forward(model, [samples[i] for i in mb], with_entropy=False)
+                for j, i in enumerate(mb):
+                    out[i] = logp[sid == j].cpu()
+        return out  # type: ignore[return-value]
+
+    def _logprobs_of_live(self, model, samples: list[TrainSample]) -> list[torch.Tensor]:
+        """`_logprobs` of the samples with response tokens; an empty tensor for the others (a micro-batch of empty
+        responses alone has nothing to gather)."""
+        live = [i for i, s in enumerate(samples) if s.response_len > 0]
+        out = [torch.zeros(0) for _ in samples]
+        for i, lp in zip(live, self._logprobs(model, [samples[i] for i in live]) if live else []):
+            out[i] = lp
+        return out
+
+    # -- one rollout step ---------------------------------------------------------------------------------------------
+    @train_step_memory
+    def train(self, rollout_id: int, steps: list[list[TrainSample]]) -> dict[str, float]:
+        """`steps[k]` are this rank's samples of optimizer step k. Returns metrics reduced over data-parallel ranks."""
+        t0 = time.perf_counter()
+        self.model.eval()
+        flat = [s for step in steps for s in step]
+        # the first optimizer step runs on the weights that are the old policy: its own forward gives its old
+        # log-probs; only the later steps' samples need the no-grad pass (all of them with `forward`)
+        first = len(steps[0]) if self.cfg.train.old_logprobs == "auto" else 0
+        old_later = self._logprobs_of_live(self.model, flat[first:]) if flat[first:] else []
+        old: list[torch.Tensor | None] = [None] * first + old_later
+        ref = self._logprobs_of_live(self.ref_model, flat) if self.ref_model is not None else None
+        self.model.train()
+        offset = 0
+        step_metrics, diffs = [], rollout_logprob_diffs(flat[first:], old_later)
+        for k, step_samples in enumerate(steps):
+            n = len(step_samples)
+            step_old = None if k == 0 and first else old[offset : offset + n]
+            step_metrics.append(
+                self._optimizer_step(step_samples, step_old, ref[offset : offset + n] if ref else None, diffs)
+            )
+            offset += n
+        metrics: dict[str, float] = {"train/train_rollout_logprob_abs_diff": _mean(diffs)}
+        for k in step_metrics[0]:
+            metrics[k] = _mean([m[k] for m in step_metrics])
+        tokens = sum(len(s.tokens) for s in flat)
+        metrics = self._reduce_over_dp(metrics)
+        elapsed = time.perf_counter() - t0
+        metrics["perf/actor_train_tok_per_s"] = (
+            self._sum_over_dp(tokens) / elapsed / max(1, self.world_size // self.cfg.train.data_parallel_size)
+        )
+        return metrics
+
+    def _optimizer_step(
+        self,
+        samples: list[TrainSample],
+        old: list[torch.Tensor] | None,
+        ref: list[torch.Tensor] | None,
+        diffs: list[float],
+    ) -> dict[str, float]:
+        """One optimizer step over `samples`. `old` None: the old log-probs are this forward's own (detached), and
+        their distance to the rollout's is appended to `diffs`. Nothing is read back to the host before the last
+        micro-batch's backward is queued (metric sums stay on the device)."""
+        g, dp = self.cfg.grpo, self.cfg.train.data_parallel_size
+        trained = sum(sum(s.loss_mask) for s in samples)
+        # the denominator of the loss is global over data-parallel ranks: samples, or trained (mask = 1) tokens
+        step_tokens = int(self._sum_over_dp(trained)) if g.loss_aggregation == "token_mean" else 0
+        denom = step_denominator(g.loss_aggregation, len(samples), step_tokens, dp)
+        scale = loss_scale(self.optimizer_kind, dp)  # megatron's DDP averages over DP; the logged loss stays unscaled
+        sums, loss_share = dict.fromkeys(METRIC_KEYS, 0.0), 0.0
+        diff_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.optim.zero_grad()
+
+        def flat(values: list) -> torch.Tensor:
+            return to_device(values, torch.float32, self.device)
+
+        # a sample without response tokens adds nothing to the loss (it still counts in sample_mean's denominator)
+        live = [i for i, s in enumerate(samples) if s.response_len > 0]
+        for mb in pack_micro_batches([len(samples[i].tokens) for i in live], self.cfg.train.max_tokens_per_device):
+            idx = [live[j] for j in mb]
+            batch = [samples[i] for i in idx]
+            logp, ent, sid = self._forward(self.model, batch, with_entropy=True)
+            mask = flat([m for s in batch for m in s.loss_mask])
+            has_rollout = all(len(s.rollout_logprobs) == s.response_len for s in batch)
+            rollout = flat([x for s in batch for x in (s.rollout_logprobs or [0.0] * s.response_len)])
+            if old is None:
+                old_logp = logp.detach()
+                diff_parts.append(rollout_diff_sums(old_logp, rollout, mask, sid, batch))
+            else:
+                old_logp = torch.cat([old[i] for i in idx]).to(self.device)
+            loss, part = micro_batch_loss(
+                MicroBatch(
+                    logp=logp,
+                    old_logp=old_logp,
+                    advantages=flat([s.advantage for s in batch for _ in range(s.response_len)]),
+                    mask=mask,
+                    sample_ids=sid,
+                    num_samples=len(batch),
+                    entropy=ent,
+                    ref_logp=torch.cat([ref[i] for i in idx]).to(self.device) if ref is not None else None,
+                    rollout_logp=rollout if g.use_tis is True and has_rollout else None,
+                ),
+                g,
+                denom,
+            )
+            (loss * scale).backward()
+            loss_share = loss_share + loss.detach()
+            for k in METRIC_KEYS:
+                sums[k] = sums[k] + part[k]
+        diffs += per_sample_means(diff_parts)
+        # step totals over DP ranks: exact token means, and the loss as the sum of the ranks' shares (a NaN on any
+        # rank makes it NaN on all, so every rank stops together)
+        values = host_floats([*(sums[k] for k in METRIC_KEYS), trained, loss_share])
+        *totals, all_trained, loss = self._sum_over_dp_many(values)
+        lr = lr_at(self.step, self.cfg)
+        grad_norm = self.optim.apply(lr, loss, f"optimizer step {self.step}")
+        self.step += 1
+        out = step_train_metrics(dict(zip(METRIC_KEYS, totals)), int(all_trained), loss, g)
+        out["train/grad_norm"] = grad_norm
+        out["train/lr"] = lr
+        return out
+
+    def _reduce_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Mean over data-parallel ranks (train/* are step totals already, equal on every rank: see _optimizer_step)."""
+        dp = self.ps.get_data_parallel_world_size()
+        if dp == 1:
+            return metrics
+        keys = sorted(metrics)
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+        return dict(zip(keys, (t / dp).tolist()))
+
+    def _sum_over_dp_many(self, values: list[float]) -> list[float]:
+        if self.ps.get_data_parallel_world_size() == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+        return t.tolist()
+
+    def _sum_over_dp(self, value: float) -> float:
+        if self.ps.get_data_parallel_world_size() == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+        return float(t.item())
+
+
+def _mean(xs: list[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def host_floats(values: list) -> list[float]:
+    """Floats and 0-dim device tensors -> floats, with one device-to-host copy for all the tensors."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.double() for t in tensors]).tolist() if tensors else [])
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
+def rollout_diff_sums(
+    logp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, sample_ids: torch.Tensor, batch: list[TrainSample]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample of a micro-batch, on the device: (sum of |trainer - rollout| log-prob, count) over its trained
+    tokens; samples without rollout log-probs count no token (see rollout_logprob_diffs)."""
+    has = to_device([float(len(s.rollout_logprobs) == s.response_len) for s in batch], torch.float32, logp.device)
+    ok = (mask > 0).float() * has.index_select(0, sample_ids)
+    n = len(batch)
+    sums = torch.zeros(n, dtype=torch.float32, device=logp.device).index_add_(
+        0, sample_ids, (logp - rollout).abs() * ok
+    )
+    counts = torch.zeros(n, dtype=torch.float32, device=logp.device).index_add_(0, sample_ids, ok)
+    return sums, counts
+
+
+def per_sample_means(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> list[float]:
+    """The per-sample means of rollout_diff_sums' parts (one host read), samples without a counted token left out."""
+    if not parts:
+        return []
+    sums, counts = torch.cat([p[0] for p in parts]).tolist(), torch.cat([p[1] for p in parts]).tolist()
+    return [s / c for s, c in zip(sums, counts) if c > 0]
+
+
+def rollout_logprob_diffs(samples: list[TrainSample], logps: list[torch.Tensor]) -> list[float]:
+    """Per sample, mean |trainer - rollout| log-prob over the tokens the policy sampled (a custom generate masks out
+    e.g. tool output); samples without such tokens or without rollout log-probs are skipped."""
+    return [
+        (lp - torch.tensor(s.rollout_logprobs)).abs()[torch.tensor(s.loss_mask, dtype=torch.bool)].mean().item()
+        for s, lp in zip(samples, logps)
+        if sum(s.loss_mask) and s.rollout_logprobs
+    ]
