@@ -173,7 +173,11 @@ def test_summarize_ratios_and_done_when(rp):
 def test_summarize_prefers_a_per_step_trainer_peak_and_tolerates_missing_phases(rp):
     loop = [
         {"perf/trainer_peak_gib": 90.0, "perf/trainer_logprobs_peak_gib": 20.0},
-        {"perf/trainer_peak_gib": 40.0, "perf/trainer_logprobs_peak_gib": 55.0, "perf/trainer_offloaded_gib": 70.0},
+        {
+            "perf/trainer_peak_gib": 40.0,
+            "perf/trainer_logprobs_peak_gib": 55.0,
+            "perf/trainer_resident_after_offload_gib": 70.0,
+        },
     ]
     s = rp.summarize(_doc(loop, [], [], trainer_info=[{"max_gpu_mem_gib": 90.0}]))
     assert s["trainer_peak_gib"] == 55.0  # the step's largest phase peak; the first step and held memory do not count
