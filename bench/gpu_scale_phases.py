@@ -175,14 +175,11 @@ def hf_batches(seqs: list[list[int]], starts: list[int], adv: list[float], budge
     return out
 
 
-def hf_phase(args, model_dir: Path, partial: Path) -> dict:
+def hf_model(model_dir: Path, dev):
+    """The baseline: transformers + SDPA in training mode and its fused AdamW (bf16 params and state on CUDA)."""
     import torch
-    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    dev = torch.device("cuda" if args.device == "cuda" else "cpu")
-    cfg, _, _ = bench_config(args, model_dir, Path(args.cache) / "runs" / "unused")
-    prompts = step_prompts(cfg, model_dir, args.steps)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(dev)
     model.config.use_cache = False
@@ -190,16 +187,54 @@ def hf_phase(args, model_dir: Path, partial: Path) -> dict:
     opt = torch.optim.AdamW(
         model.parameters(), lr=1e-6, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1, fused=dev.type == "cuda"
     )
+    return model, opt
+
+
+def token_logp(model, ids, tgt):
+    """log p of each target token (-100: none) from the full logits, as a user's script computes them."""
+    import torch.nn.functional as F
+
+    logits = model(input_ids=ids).logits
+    return -F.cross_entropy(logits.float().flatten(0, 1), tgt.flatten(), ignore_index=-100, reduction="none").view_as(
+        tgt
+    )
+
+
+def hf_step(model, opt, seqs: list[list[int]], starts: list[int], adv: list[float], budget: int, dev) -> tuple:
+    """One GRPO-like step of the baseline: no-grad forward (old log-probs), forward + backward of the clipped token
+    loss per micro-batch, clip, AdamW. -> (seconds, micro-batches); the peak memory stats are reset first."""
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    mbs = hf_batches(seqs, starts, adv, budget, dev)
+    with torch.no_grad():
+        old = [token_logp(model, ids, tgt) for ids, tgt, _ in mbs]
+    n_tok = sum(int((tgt != -100).sum()) for _, tgt, _ in mbs)
+    for (ids, tgt, a), o in zip(mbs, old):
+        ratio = (token_logp(model, ids, tgt) - o).exp()
+        pg = -torch.minimum(ratio * a, ratio.clamp(0.8, 1.28) * a)
+        ((pg * (tgt != -100)).sum() / n_tok).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t, len(mbs)
+
+
+def hf_phase(args, model_dir: Path, partial: Path) -> dict:
+    import torch
+
+    dev = torch.device("cuda" if args.device == "cuda" else "cpu")
+    cfg, _, _ = bench_config(args, model_dir, Path(args.cache) / "runs" / "unused")
+    prompts = step_prompts(cfg, model_dir, args.steps)
+    model, opt = hf_model(model_dir, dev)
     arch, vocab = json.loads((model_dir / "config.json").read_text()), model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-
-    def token_logp(ids, tgt):
-        logits = model(input_ids=ids).logits
-        return -F.cross_entropy(
-            logits.float().flatten(0, 1), tgt.flatten(), ignore_index=-100, reduction="none"
-        ).view_as(tgt)
-
-    rec: dict = {"micro_batch_tokens": args.hf_micro_batch_tokens, "dtype": str(dtype), "steps": []}
+    rec: dict = {"micro_batch_tokens": args.hf_micro_batch_tokens, "dtype": str(model.dtype), "steps": []}
     for step, batch in enumerate(prompts):
         seqs = [
             p + torch.randint(3, vocab, (args.response_len,), generator=g).tolist()
@@ -208,24 +243,7 @@ def hf_phase(args, model_dir: Path, partial: Path) -> dict:
         ]
         starts = [len(p) for p in batch for _ in range(args.samples)]
         adv = [1.0 if (i % 2) else -1.0 for i in range(len(seqs))]
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
-        mbs = hf_batches(seqs, starts, adv, args.hf_micro_batch_tokens, dev)
-        with torch.no_grad():
-            old = [token_logp(ids, tgt) for ids, tgt, _ in mbs]
-        n_tok = sum(int((tgt != -100).sum()) for _, tgt, _ in mbs)
-        for (ids, tgt, a), o in zip(mbs, old):
-            ratio = (token_logp(ids, tgt) - o).exp()
-            pg = -torch.minimum(ratio * a, ratio.clamp(0.8, 1.28) * a)
-            ((pg * (tgt != -100)).sum() / n_tok).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t
+        dt, n_mbs = hf_step(model, opt, seqs, starts, adv, args.hf_micro_batch_tokens, dev)
         tokens = sum(len(s) for s in seqs)
         peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
         rec["steps"].append(
@@ -234,13 +252,13 @@ def hf_phase(args, model_dir: Path, partial: Path) -> dict:
                 "tokens": tokens,
                 "tok_s": tokens / dt,
                 "peak_gib": peak,
-                "micro_batches": len(mbs),
+                "micro_batches": n_mbs,
                 "mfu": mfu(step_flops(arch, [len(s) for s in seqs]), dt, args.peak_flops),
             }
         )
         partial.write_text(json.dumps(rec))
         print(
-            f"[hf] step {step}: {dt:.1f}s {tokens / dt:,.0f} tok/s, {len(mbs)} micro-batches, peak {peak} GiB",
+            f"[hf] step {step}: {dt:.1f}s {tokens / dt:,.0f} tok/s, {n_mbs} micro-batches, peak {peak} GiB",
             flush=True,
         )
     return rec

@@ -136,43 +136,17 @@ def run_trainer(args, model_dir: Path, overrides: list[str]) -> dict:
 
 def run_hf(args, model_dir: Path) -> dict:
     import torch
-    import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM
 
-    from gpu_scale_phases import hf_batches
+    from gpu_scale_phases import hf_batches, hf_model, hf_step, token_logp
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
-    model.config.use_cache = False
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    dev = torch.device("cuda")
+    model, opt = hf_model(model_dir, dev)
     vocab = model.config.vocab_size
-
-    def token_logp(ids, tgt):
-        logits = model(input_ids=ids).logits
-        return -F.cross_entropy(
-            logits.float().flatten(0, 1), tgt.flatten(), ignore_index=-100, reduction="none"
-        ).view_as(tgt)
-
     rows = []
     for step in range(args.steps):
         samples = synthetic(args.samples * 8, 40, args.response_len, vocab, step)
         seqs, starts = [s.tokens for s in samples], [s.prompt_len for s in samples]
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
-        mbs = hf_batches(seqs, starts, [s.advantage for s in samples], 9216, "cuda")
-        with torch.no_grad():
-            old = [token_logp(ids, tgt) for ids, tgt, _ in mbs]
-        n_tok = sum(int((tgt != -100).sum()) for _, tgt, _ in mbs)
-        for (ids, tgt, a), o in zip(mbs, old):
-            ratio = (token_logp(ids, tgt) - o).exp()
-            pg = -torch.minimum(ratio * a, ratio.clamp(0.8, 1.28) * a)
-            ((pg * (tgt != -100)).sum() / n_tok).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t
+        dt, _ = hf_step(model, opt, seqs, starts, [s.advantage for s in samples], 9216, dev)
         tokens = sum(len(s) for s in seqs)
         rows.append({"s": dt, "tok_s": tokens / dt, "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
         print(f"[hf] step {step}: {dt:.1f}s {tokens / dt:,.0f} tok/s peak {rows[-1]['peak_gib']:.1f} GiB", flush=True)
@@ -183,7 +157,7 @@ def run_hf(args, model_dir: Path) -> dict:
         )
 
         def fwd_bwd():
-            token_logp(mbs[0][0], mbs[0][1]).sum().backward()
+            token_logp(model, mbs[0][0], mbs[0][1]).sum().backward()
 
         table = profile_table(fwd_bwd)
         print(table, flush=True)

@@ -8,21 +8,19 @@ One 20-step run serves the staleness bound (from the metrics and the data ledger
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.tiny import REPO, tiny_config
-from tests.test_crash_recovery import kill_group, ledger, resumed_at, wait_for
+from tests.helpers.tiny import tiny_config
+from tests.helpers.train_process import kill_group, ledger, resumed_at, wait_for
+from tests.helpers.train_process import start_train as start_vime_train
 from vime_core.tracking import MemorySink
 
 pytestmark = pytest.mark.e2e
 
 STEPS, SAVE_EVERY, N = 20, 10, 1
-VIME = Path(sys.executable).parent / "vime"
 
 
 @pytest.fixture(scope="module")
@@ -75,29 +73,14 @@ def test_grpo_learns_with_staleness_one(async_run):
 
 
 def start_train(out: Path, log: Path, steps: int) -> subprocess.Popen:
-    args = [
-        str(VIME),
-        "train",
-        "--config",
-        "configs/tiny-cpu.yaml",
-        "--metrics-out",
-        str(out / "metrics.jsonl"),
-        "--set",
-        f"output_dir={out}",
-        "--set",
+    overrides = [
         f"rollout.num_rollout={steps}",
-        "--set",
         f"checkpoint.save_interval={SAVE_EVERY}",
-        "--set",
         "eval.datasets=[]",
-        "--set",
         f"rollout.max_staleness={N}",
-        "--set",
         "tracking.enabled=false",
     ]
-    return subprocess.Popen(
-        args, cwd=REPO, env=dict(os.environ), stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
+    return start_vime_train(out, log, overrides)
 
 
 def test_async_run_resumes_exactly_after_sigkill(async_run, tmp_path):

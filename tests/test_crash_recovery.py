@@ -6,75 +6,29 @@ twice are the steps after the checkpoint an attempt resumed from, redone with th
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.tiny import REPO
+from tests.helpers.train_process import kill_group, ledger, resumed_at, wait_for
+from tests.helpers.train_process import start_train as start_vime_train
 
 pytestmark = pytest.mark.e2e
 
 STEPS, BATCH, SAVE_EVERY = 6, 16, 2
-VIME = Path(sys.executable).parent / "vime"
 
 
 def start_train(out: Path, log: Path, slow_commit: bool = False) -> subprocess.Popen:
-    """`vime train` in its own process group; `slow_commit`: each checkpoint commit waits 4 s first (a test-only
-    wrapper of the CLI, tests/helpers/slow_checkpoint.py), which widens the window for a kill inside a write."""
-    cli = [sys.executable, "-m", "tests.helpers.slow_checkpoint"] if slow_commit else [str(VIME)]
-    args = [
-        *cli,
-        "train",
-        "--config",
-        "configs/tiny-cpu.yaml",
-        "--metrics-out",
-        str(out / "metrics.jsonl"),
-        "--set",
-        f"output_dir={out}",
-        "--set",
+    overrides = [
         f"rollout.num_rollout={STEPS}",
-        "--set",
         f"checkpoint.save_interval={SAVE_EVERY}",
-        "--set",
         "checkpoint.keep_last=10",
-        "--set",
         "eval.datasets=[]",
     ]
-    return subprocess.Popen(
-        args, cwd=REPO, env=os.environ.copy(), stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-
-def ledger(out: Path) -> list[dict]:
-    path = out / "data_ledger.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
-
-
-def wait_for(cond, timeout: float, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.time() + timeout
-    while not cond():
-        if proc.poll() is not None:
-            raise AssertionError(f"train exited early ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        if time.time() > deadline:
-            raise AssertionError(f"timed out:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
-
-
-def resumed_at(log: Path) -> int | None:
-    m = re.search(r"resuming from \S+ at rollout (\d+)", log.read_text())
-    return int(m.group(1)) if m else None
+    return start_vime_train(out, log, overrides, slow_commit)
 
 
 def expected_batches() -> list[list[int]]:

@@ -112,13 +112,13 @@ class TrainStep:
         ref = self._logprobs_of_live(self.ref_model, flat) if self.ref_model is not None else None
         self.model.train()
         offset = 0
-        step_metrics, diffs = [], rollout_logprob_diffs(flat[first:], old_later)
+        step_metrics, diffs = [], []
         for k, step_samples in enumerate(steps):
             n = len(step_samples)
             step_old = None if k == 0 and first else old[offset : offset + n]
-            step_metrics.append(
-                self._optimizer_step(step_samples, step_old, ref[offset : offset + n] if ref else None, diffs)
-            )
+            m, d = self._optimizer_step(step_samples, step_old, ref[offset : offset + n] if ref else None)
+            step_metrics.append(m)
+            diffs += d
             offset += n
         metrics: dict[str, float] = {"train/train_rollout_logprob_abs_diff": _mean(diffs)}
         for k in step_metrics[0]:
@@ -136,11 +136,10 @@ class TrainStep:
         samples: list[TrainSample],
         old: list[torch.Tensor] | None,
         ref: list[torch.Tensor] | None,
-        diffs: list[float],
-    ) -> dict[str, float]:
-        """One optimizer step over `samples`. `old` None: the old log-probs are this forward's own (detached), and
-        their distance to the rollout's is appended to `diffs`. Nothing is read back to the host before the last
-        micro-batch's backward is queued (metric sums stay on the device)."""
+    ) -> tuple[dict[str, float], list[float]]:
+        """One optimizer step over `samples` -> (its train/* metrics, each sample's mean |old - rollout| log-prob over
+        its trained tokens). `old` None: the old log-probs are this forward's own (detached). Nothing is read back
+        to the host before the last micro-batch's backward is queued (metric sums stay on the device)."""
         g, dp = self.cfg.grpo, self.cfg.train.data_parallel_size
         trained = sum(sum(s.loss_mask) for s in samples)
         # the denominator of the loss is global over data-parallel ranks: samples, or trained (mask = 1) tokens
@@ -163,11 +162,8 @@ class TrainStep:
             mask = flat([m for s in batch for m in s.loss_mask])
             has_rollout = all(len(s.rollout_logprobs) == s.response_len for s in batch)
             rollout = flat([x for s in batch for x in (s.rollout_logprobs or [0.0] * s.response_len)])
-            if old is None:
-                old_logp = logp.detach()
-                diff_parts.append(rollout_diff_sums(old_logp, rollout, mask, sid, batch))
-            else:
-                old_logp = torch.cat([old[i] for i in idx]).to(self.device)
+            old_logp = logp.detach() if old is None else torch.cat([old[i] for i in idx]).to(self.device)
+            diff_parts.append(rollout_diff_sums(old_logp, rollout, mask, sid, batch))
             loss, part = micro_batch_loss(
                 MicroBatch(
                     logp=logp,
@@ -187,7 +183,6 @@ class TrainStep:
             loss_share = loss_share + loss.detach()
             for k in METRIC_KEYS:
                 sums[k] = sums[k] + part[k]
-        diffs += per_sample_means(diff_parts)
         # step totals over DP ranks: exact token means, and the loss as the sum of the ranks' shares (a NaN on any
         # rank makes it NaN on all, so every rank stops together)
         values = host_floats([*(sums[k] for k in METRIC_KEYS), trained, loss_share])
@@ -198,7 +193,7 @@ class TrainStep:
         out = step_train_metrics(dict(zip(METRIC_KEYS, totals)), int(all_trained), loss, g)
         out["train/grad_norm"] = grad_norm
         out["train/lr"] = lr
-        return out
+        return out, per_sample_means(diff_parts)
 
     def _reduce_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
         """Mean over data-parallel ranks (train/* are step totals already, equal on every rank: see _optimizer_step)."""
@@ -240,7 +235,8 @@ def rollout_diff_sums(
     logp: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor, sample_ids: torch.Tensor, batch: list[TrainSample]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sample of a micro-batch, on the device: (sum of |trainer - rollout| log-prob, count) over its trained
-    tokens; samples without rollout log-probs count no token (see rollout_logprob_diffs)."""
+    tokens (the policy's: a custom generate masks out e.g. tool output); samples without rollout log-probs count
+    no token."""
     has = to_device([float(len(s.rollout_logprobs) == s.response_len) for s in batch], torch.float32, logp.device)
     ok = (mask > 0).float() * has.index_select(0, sample_ids)
     n = len(batch)
@@ -257,13 +253,3 @@ def per_sample_means(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> list[flo
         return []
     sums, counts = torch.cat([p[0] for p in parts]).tolist(), torch.cat([p[1] for p in parts]).tolist()
     return [s / c for s, c in zip(sums, counts) if c > 0]
-
-
-def rollout_logprob_diffs(samples: list[TrainSample], logps: list[torch.Tensor]) -> list[float]:
-    """Per sample, mean |trainer - rollout| log-prob over the tokens the policy sampled (a custom generate masks out
-    e.g. tool output); samples without such tokens or without rollout log-probs are skipped."""
-    return [
-        (lp - torch.tensor(s.rollout_logprobs)).abs()[torch.tensor(s.loss_mask, dtype=torch.bool)].mean().item()
-        for s, lp in zip(samples, logps)
-        if sum(s.loss_mask) and s.rollout_logprobs
-    ]

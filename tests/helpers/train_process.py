@@ -1,0 +1,54 @@
+"""`vime train` as a separate process group for the crash tests (tests/test_crash_recovery.py,
+tests/test_async_e2e.py): start it on the tiny config, wait for a condition, SIGKILL the group, read what it left."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.helpers.tiny import REPO
+
+VIME = Path(sys.executable).parent / "vime"
+
+
+def start_train(out: Path, log: Path, overrides: list[str], slow_commit: bool = False) -> subprocess.Popen:
+    """`vime train --config configs/tiny-cpu.yaml` into `out` with `--set` `overrides`, in its own process group;
+    `slow_commit`: each checkpoint commit waits 4 s first (a test-only wrapper of the CLI,
+    tests/helpers/slow_checkpoint.py), which widens the window for a kill inside a write."""
+    cli = [sys.executable, "-m", "tests.helpers.slow_checkpoint"] if slow_commit else [str(VIME)]
+    sets = [arg for o in [f"output_dir={out}", *overrides] for arg in ("--set", o)]
+    args = [*cli, "train", "--config", "configs/tiny-cpu.yaml", "--metrics-out", str(out / "metrics.jsonl"), *sets]
+    return subprocess.Popen(
+        args, cwd=REPO, env=os.environ.copy(), stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def ledger(out: Path) -> list[dict]:
+    path = out / "data_ledger.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+def wait_for(cond, timeout: float, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            raise AssertionError(f"train exited early ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        if time.time() > deadline:
+            raise AssertionError(f"timed out:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def resumed_at(log: Path) -> int | None:
+    m = re.search(r"resuming from \S+ at rollout (\d+)", log.read_text())
+    return int(m.group(1)) if m else None
