@@ -223,3 +223,12 @@ def test_dry_run_writes_a_result_with_the_hf_steps(gs, rp, tmp_path):
     assert len(hf) == 2 and doc["hf_sdpa_tok_s"] == hf[1]["tok_s"] > 0
     assert all(s["tokens"] > 2 * 2 * 8 for s in hf)  # prompt tokens + 8 response tokens per sample
     assert doc["phases"]["loop"]["skipped"] == "dry run" and doc["params"] == rp.param_count(rp.hf_config("tiny"))
+
+
+def test_rollout_and_trainer_compare_the_steps_both_phases_ran(rp):
+    loop = [{"perf/tokens_per_gpu_per_sec": t, "perf/actor_train_tok_per_s": 10.0} for t in (110.0, 90.0, 90.0)]
+    vllm = [{"tok_s": 100.0}]  # the baseline's step 1 hit the watchdog: compare step 0 with step 0
+    s = rp.summarize(_doc(loop, vllm, []))
+    assert s["rollout_tok_per_gpu_s"] == 110.0
+    assert s["ratios"]["rollout_vs_raw_vllm"] == 1.1
+    assert s["trainer_tok_s"] == 10.0  # no HF phase: the loop's steps after the first, all of them
