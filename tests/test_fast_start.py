@@ -44,18 +44,50 @@ def test_a_model_that_fails_its_checks_starts_nothing_early(tmp_path, monkeypatc
     assert cluster.early_start is None
 
 
-def test_prestarted_actors_are_used_only_when_they_match():
-    """What the background start made is handed out once for the same arguments; a mismatch is stopped."""
+def _early(objects: dict) -> tuple[EarlyStart, list]:
     early = EarlyStart.__new__(EarlyStart)
     early.thread, early.started, early.skipped = None, threading.Event(), False
     early.started.set()
     dropped = []
     early._drop = lambda kind, obj: dropped.append((kind, obj))
-    early.objects = {"trainers": (("p", "model", None), ["t0"]), "engines": (("p", "model"), ["e0"])}
-    assert early.take("trainers", ("p", "model", None)) == ["t0"]
-    assert early.take("trainers", ("p", "model", None)) is None  # once
-    assert early.take("engines", ("p", "other-model")) is None
-    assert dropped == [("engines", ["e0"])]
+    early.objects = objects
+    return early, dropped
+
+
+def _changed(cfg, section: str, field: str, value) -> dict:
+    data = cfg.model_dump(mode="json")
+    data[section][field] = value
+    return data
+
+
+def test_prestarted_actors_are_used_only_when_made_from_equal_inputs(tmp_path):
+    """What the background start made is handed out once to a caller whose inputs are equal, not the same objects
+    (vime-pipeline's train task rebuilds its config from JSON, with checkpoint.resume set); a mismatch is stopped."""
+    from vime_core.config import config_from_dict
+
+    cfg = tiny_config(tmp_path)
+    rebuilt = config_from_dict(_changed(cfg, "checkpoint", "resume", not cfg.checkpoint.resume))
+    assert rebuilt is not cfg and rebuilt.checkpoint.resume != cfg.checkpoint.resume
+    key = EarlyStart.key
+    early, dropped = _early(
+        {
+            "placement": (key("placement", cfg, "cpu", False), "pg"),
+            "trainers": (key("trainers", cfg, "pg", "model", None), ["t0"]),
+            "engines": (key("engines", "pg", [("opts-0", {"OMP_NUM_THREADS": "2"}, [0])]), ["e0"]),
+        }
+    )
+    assert early.take("placement", rebuilt, "cpu", False) == "pg"  # the checkpoint section is not the placement's
+    assert early.take("placement", rebuilt, "cpu", False) is None  # once
+    # every rank receives the whole config: another value of any field is another trainer
+    assert early.take("trainers", rebuilt, "pg", "model", None) is None
+    assert early.take("engines", "pg", [("opts-0", {"OMP_NUM_THREADS": "1"}, [0])]) is None
+    assert dropped == [("trainers", ["t0"]), ("engines", ["e0"])]
+
+    other = config_from_dict(_changed(cfg, "rollout", "num_engines", 2))
+    early, dropped = _early({"placement": (key("placement", cfg, "cpu", False), "pg")})
+    assert early.take("placement", other, "cpu", False) is None and dropped == [("placement", "pg")]
+    early, _ = _early({"trainers": (key("trainers", cfg, "pg", "model", None), ["t0"])})
+    assert early.take("trainers", tiny_config(tmp_path), "pg", "model", None) == ["t0"]  # equal, not the same
 
 
 def test_shutdown_stops_ray_programs_only(monkeypatch):

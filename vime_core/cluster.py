@@ -9,6 +9,7 @@ On CPU the "devices" are processes: one bundle of one logical CPU per trainer ra
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import logging
 import os
@@ -61,8 +62,9 @@ class _LocalRay:
 _local = _LocalRay()
 
 
-# A vime_core.early_ray.EarlyStart while `vime train` starts Ray and the actors in a background thread: init_ray
-# waits for it, make_placement / create_trainers / create_engines take what it prestarted (when it matches).
+# A vime_core.early_ray.EarlyStart while `vime train` / `vime-pipeline` start Ray and actors in a background thread:
+# init_ray waits for it, make_placement / create_trainers / create_engines take what it prestarted when it was made
+# from the same inputs (early_ray.EarlyStart.key).
 early_start: Any = None
 
 
@@ -138,10 +140,8 @@ def shutdown_ray() -> None:
 
         _, left = psutil.wait_procs(ray_procs, timeout=10)
         for p in left:
-            try:
+            with contextlib.suppress(psutil.Error):
                 p.kill()
-            except psutil.Error:
-                pass
     keep = os.environ.get("VIME_KEEP_RAY_SESSION", "") not in ("", "0")
     for path in (_local.tmp_dir, None if keep else _local.session_dir):
         if path is not None:
@@ -196,10 +196,8 @@ def _write_ray_bootstrap_config() -> None:
     """A local-provider bootstrap config stops Ray probing cloud metadata addresses at start (no network here)."""
     path = Path.home() / "ray_bootstrap_config.yaml"
     if not path.exists():
-        try:
+        with contextlib.suppress(OSError):
             path.write_text("provider:\n  type: local\n")
-        except OSError:
-            pass
 
 
 @dataclass
@@ -268,7 +266,7 @@ def check_local_fit(cfg: RunConfig, platform: str, engines_only: bool = False) -
 
 def make_placement(cfg: RunConfig, platform: str, engines_only: bool = False) -> Placement:
     """One bundle per device (see module doc); `engines_only` for evaluation without a trainer."""
-    got = early_start.take("placement", (id(cfg), platform, engines_only)) if early_start is not None else None
+    got = early_start.take("placement", cfg, platform, engines_only) if early_start is not None else None
     if got is not None:
         return got
     import ray
@@ -383,17 +381,12 @@ def _share(p: Placement) -> float:
     return (0.45 if p.colocate else 1.0) if p.gpu else 0.0
 
 
-def create_engines(cfg: RunConfig, p: Placement, platform: str, model_path: str) -> list[Any]:
-    """Engine actors; they start in the background (see `wait_ready`)."""
-    got = early_start.take("engines", (id(p), model_path)) if early_start is not None else None
-    if got is not None:
-        return got
-    import ray
-
-    from vime_core.rollout import EngineOptions, VLLMEngine
+def engine_specs(cfg: RunConfig, p: Placement, platform: str, model_path: str) -> list[tuple[Any, dict, list[int]]]:
+    """(EngineOptions, actor environment, bundles) of each engine: everything an engine actor is made from."""
+    from vime_core.rollout import EngineOptions
 
     max_len = cfg.data.max_prompt_len + max(cfg.rollout.max_response_len, cfg.eval.max_response_len or 0)
-    engines = []
+    specs = []
     for i, bundles in enumerate(p.engine_bundles):
         opts = EngineOptions(
             model_path=model_path,
@@ -408,18 +401,31 @@ def create_engines(cfg: RunConfig, p: Placement, platform: str, model_path: str)
             custom_generate=cfg.rollout.custom_generate,
             sleep_mode=p.engines_sleep,
         )
-        actor = (
-            ray.remote(VLLMEngine)
-            .options(
-                num_cpus=0 if p.colocate else 1,
-                num_gpus=_share(p),
-                scheduling_strategy=_strategy(p, bundles[0]),
-                runtime_env={"env_vars": _actor_env(platform, p.devices(bundles), cfg, "rollout")},
-            )
-            .remote(opts)
+        specs.append((opts, _actor_env(platform, p.devices(bundles), cfg, "rollout"), bundles))
+    return specs
+
+
+def create_engines(cfg: RunConfig, p: Placement, platform: str, model_path: str) -> list[Any]:
+    """Engine actors; they start in the background (see `wait_ready`)."""
+    specs = engine_specs(cfg, p, platform, model_path)
+    got = early_start.take("engines", p, specs) if early_start is not None else None
+    if got is not None:
+        return got
+    import ray
+
+    from vime_core.rollout import VLLMEngine
+
+    return [
+        ray.remote(VLLMEngine)
+        .options(
+            num_cpus=0 if p.colocate else 1,
+            num_gpus=_share(p),
+            scheduling_strategy=_strategy(p, bundles[0]),
+            runtime_env={"env_vars": env},
         )
-        engines.append(actor)
-    return engines
+        .remote(opts)
+        for opts, env, bundles in specs
+    ]
 
 
 def master_address(p: Placement, bundle: int) -> tuple[str, int]:
@@ -446,7 +452,7 @@ def create_trainers(
 ) -> list[Any]:
     """All trainer ranks, constructed concurrently (each joins the process group in __init__); they start in the
     background (see `wait_ready`)."""
-    got = early_start.take("trainers", (id(p), model_dir, init_checkpoint)) if early_start is not None else None
+    got = early_start.take("trainers", cfg, p, model_dir, init_checkpoint) if early_start is not None else None
     if got is not None:
         return got
     import ray
