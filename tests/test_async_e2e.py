@@ -58,6 +58,8 @@ def test_staleness_bound_holds_and_is_reached(async_run):
     # the samples of steps after the first came from an older policy than the trained one: the trainer's recomputed
     # log-probs differ from vLLM's by more than the on-policy mismatch (~2e-7 in float32, tests/test_engine_e2e.py)
     assert min(r["train/train_rollout_logprob_abs_diff"] for r in rows[1:]) > 1e-4
+    # step 0 trained the start weights' own samples: the on-policy mismatch only, as the synchronous loop's
+    assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-5
     # the checkpoint after step 9 carries rollout 10, sampled by version 9
     state = json.loads((cfg.save_dir / "iter_0000009" / "state.json").read_text())
     assert state["max_staleness"] == N and state["inflight_rollouts"] == [10]
