@@ -83,6 +83,24 @@ def test_entropy_gradient_alone():
     assert torch.allclose(got[2], want[2], atol=1e-5) and torch.allclose(got[3], want[3], atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [8, 1024])
+def test_kept_logits_give_the_recomputed_values_and_gradients(chunk):
+    """train.logprob_keep_logits: backward reads the forward's logits instead of recomputing them, bit for bit the
+    same values and gradients (the same matmul on the same inputs), and drops them once used."""
+    hidden, weight, targets, g_lp, g_ent = _inputs(4)
+    args = (hidden, weight, targets, g_lp, g_ent, True)
+    kept = _values_and_grads(lambda h, w, t: chunked_logprobs(h, w, t, 0.7, True, chunk, keep_logits=True), *args)
+    recomputed = _values_and_grads(lambda h, w, t: chunked_logprobs(h, w, t, 0.7, True, chunk), *args)
+    assert kept[2].abs().sum() > 0 and kept[3].abs().sum() > 0
+    for a, b in zip(kept, recomputed):
+        assert torch.equal(a, b)
+    h = hidden.clone().requires_grad_(True)
+    lp, _ = chunked_logprobs(h, weight, targets, 1.0, False, chunk, keep_logits=True)
+    assert len(lp.grad_fn.logits) == -(-N // chunk)  # one [chunk, V] tensor per chunk, held until backward
+    lp.sum().backward()
+    assert lp.grad_fn.logits is None
+
+
 # ---- TP=2: each rank holds half the vocab ----------------------------------------------------------------------------
 def _tp_rank(rank: int, world: int, port: int, q) -> None:
     try:

@@ -85,24 +85,37 @@ def _chunk_stats(
     log_sum = sum_exp.log()
     logz = gmax + log_sum
     ex = gmax + sum_exp_x / sum_exp  # E_p[x]
-    return logz, tgt - log_sum, log_sum - sum_exp_x / sum_exp, ex
+    return logz, tgt - log_sum, log_sum - sum_exp_x / sum_exp, ex, raw
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, hidden, weight, targets, temperature: float, chunk: int, vocab_start: int, group, with_entropy: bool
+        ctx,
+        hidden,
+        weight,
+        targets,
+        temperature: float,
+        chunk: int,
+        vocab_start: int,
+        group,
+        with_entropy: bool,
+        keep_logits: bool,
     ):
         n = hidden.size(0)
         logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(n, dtype=torch.float32, device=hidden.device)
         logz = torch.empty_like(logp)
         ex = torch.empty_like(logp)
+        keep = keep_logits and any(ctx.needs_input_grad[:2])
+        ctx.logits = [] if keep else None  # each chunk's raw logits, for backward instead of their recompute
         for a in range(0, n, chunk):
             b = min(n, a + chunk)
-            logz[a:b], logp[a:b], ent[a:b], ex[a:b] = _chunk_stats(
+            logz[a:b], logp[a:b], ent[a:b], ex[a:b], raw = _chunk_stats(
                 hidden[a:b], weight, targets[a:b], temperature, vocab_start, group
             )
+            if keep:
+                ctx.logits.append(raw)
         ctx.save_for_backward(hidden, weight, targets, logz, ex)
         ctx.cfg = (temperature, chunk, vocab_start, group, with_entropy)
         ctx.set_materialize_grads(False)
@@ -114,8 +127,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
         temperature, chunk, vocab_start, group, with_entropy = ctx.cfg
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         use_ent = with_entropy and g_ent is not None
+        none = (None,) * 7  # the non-tensor arguments
         if g_logp is None and not use_ent:
-            return None, None, None, None, None, None, None, None
+            return None, None, *none
         grad_h = torch.empty_like(hidden) if need_h else None
         # the weight gradient sums every chunk's: accumulated in fp32 (V/tp x h: 1.2 GB for Qwen3-1.7B), cast once
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
@@ -124,11 +138,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
         g_logp = zeros if g_logp is None else g_logp.float()
         g_ent = g_ent.float() if use_ent else zeros
         grad_logits = _kernel(_grad_logits, hidden.is_cuda)
-        for a in range(0, n, chunk):
+        kept, ctx.logits = ctx.logits, None
+        for i, a in enumerate(range(0, n, chunk)):
             b = min(n, a + chunk)
             h = hidden[a:b]
             local = targets[a:b] - vocab_start
-            raw = h @ weight.t()
+            raw = kept[i] if kept else h @ weight.t()
+            if kept:
+                kept[i] = None  # freed chunk by chunk
             own = (local >= 0) & (local < raw.size(-1))
             g = grad_logits(raw, temperature, logz[a:b], ex[a:b], g_logp[a:b], g_ent[a:b], local, own)
             del raw
@@ -141,7 +158,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
                     grad_w.add_(g.t() @ h)
         if need_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None
+        return grad_h, grad_w, *none
 
 
 def chunked_logprobs(
@@ -151,11 +168,13 @@ def chunked_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_tokens: int = 1024,
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) and (optionally) the entropy per row of `hidden` [n, h] under softmax(hidden @ weight.T / T).
 
     `weight` [V/tp, h] is this rank's vocab shard of the output layer (contiguous shards in rank order, as megatron's
-    vocab-parallel layers split it). Differentiable in `hidden` and `weight`; values in fp32."""
+    vocab-parallel layers split it). Differentiable in `hidden` and `weight`; values in fp32. `keep_logits`: keep each
+    chunk's logits (in the weight's dtype: n x V/tp of them) for backward instead of recomputing them there."""
     group = _tp_group()
     vocab_start = 0
     if group is not None:
@@ -164,6 +183,14 @@ def chunked_logprobs(
         vocab_start = dist.get_rank(group) * weight.size(0)
         hidden = copy_to_tensor_model_parallel_region(hidden)  # backward: sum of the ranks' partial gradients
     logp, ent = _ChunkedLogProbs.apply(
-        hidden, weight, targets, float(temperature), max(1, int(chunk_tokens)), vocab_start, group, with_entropy
+        hidden,
+        weight,
+        targets,
+        float(temperature),
+        max(1, int(chunk_tokens)),
+        vocab_start,
+        group,
+        with_entropy,
+        keep_logits,
     )
     return logp, (ent if with_entropy else None)
