@@ -15,6 +15,7 @@ message and a "Nothing trained" artifact, and registers nothing. The output dir 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +26,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
-from tasks.common import artifact_key, markdown, train_timeout
+from tasks.common import artifact_key, cfg_of, markdown, train_timeout
 from tasks.convert import convert_checkpoint
 from tasks.download import download_dataset, download_model
 from tasks.evaluate import evaluate, log_evaluation
@@ -92,7 +93,7 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
 
         check_resume_setting(cfg)
         config = {**config, "checkpoint": {**config["checkpoint"], "resume": True}}
-    with engines_started_early(cfg, model):
+    with engines_started_early(cfg_of(config), model):
         converted = convert_checkpoint(model, str(cfg.output_dir), cfg.model.dtype)
         try:
             train = train_grpo.with_options(timeout_seconds=train_timeout(cfg.rollout.num_rollout))
@@ -128,15 +129,14 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
 @contextmanager
 def engines_started_early(cfg: RunConfig, model: dict[str, Any]) -> Iterator[None]:
     """Ray and the vLLM engines (which need only the HF model) start in the background while the checkpoint is
-    converted; the train task's loop takes them (vime_core/early_ray.py) and stops Ray when it ends. Measured on the
-    2-core box, `make run`: the train task reached "trainer and engines ready" 17.3 s after it began, behind a 6.6 s
-    conversion. Nothing starts when the latest checkpoint already covers rollout.num_rollout (nothing to train)."""
+    converted; the train task's loop takes them (vime_core/early_ray.py) and stops Ray when it ends. `cfg`: the
+    train task's config. Measured on the 2-core box, `make run`: the train task reached "trainer and engines ready"
+    17.3 s after it began, behind a 6.6 s conversion. Nothing starts when the latest checkpoint already covers
+    rollout.num_rollout (nothing to train)."""
     from vime_core import cluster
     from vime_core.early_ray import start_ray_early
-    from vime_core.loop import resume_point
 
-    _, state = resume_point(cfg)
-    started = not (state and state["rollout_id"] + 1 >= cfg.rollout.num_rollout)
+    started = not nothing_to_train(cfg)
     if started:
         start_ray_early(cfg, model_dir=str(Path(model["path"])), trainers=False)
     try:
@@ -144,6 +144,20 @@ def engines_started_early(cfg: RunConfig, model: dict[str, Any]) -> Iterator[Non
     finally:
         if started and cluster.early_start is not None:  # the train task failed before its loop took them
             cluster.shutdown_ray()
+
+
+def nothing_to_train(cfg: RunConfig) -> bool:
+    """Whether a checkpoint in the save dir already covers rollout.num_rollout, read without verifying or setting
+    aside anything (the train task does that): a wrong guess only starts the engines for nothing, or late."""
+    from vime_core.resume import STATE_FILE
+
+    for state in cfg.save_dir.glob(f"iter_*/{STATE_FILE}"):
+        try:
+            if json.loads(state.read_text())["rollout_id"] + 1 >= cfg.rollout.num_rollout:
+                return True
+        except (OSError, ValueError, KeyError, TypeError):  # damaged or being written: the train task decides
+            continue
+    return False
 
 
 def already_registered(cfg: RunConfig, run_id: str | None, checkpoint: str) -> bool:

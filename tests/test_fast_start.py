@@ -4,6 +4,7 @@ runs atexit handlers and keeps the exit code."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -124,3 +125,20 @@ def test_exit_now_runs_atexit_and_keeps_the_code():
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3
     assert proc.stdout.splitlines() == ["thread done", "atexit ran"]
+
+
+def test_the_pipeline_starts_no_engines_for_a_run_with_nothing_to_train(tmp_path):
+    """vime-pipeline's early start peeks at the checkpoints' state files only (no verification, nothing moved)."""
+    from flows.grpo_pipeline import nothing_to_train
+
+    cfg = tiny_config(tmp_path, "rollout.num_rollout=20")
+    assert not nothing_to_train(cfg)  # no checkpoints
+    (cfg.save_dir / "iter_0000009").mkdir(parents=True)
+    (cfg.save_dir / "iter_0000009" / "state.json").write_text(json.dumps({"rollout_id": 9}))
+    (cfg.save_dir / "iter_0000019").mkdir()
+    (cfg.save_dir / "iter_0000019" / "state.json").write_text("{truncated")
+    assert not nothing_to_train(cfg)  # steps 10-19 left (the damaged one is the train task's to judge)
+    (cfg.save_dir / "iter_0000019" / "state.json").write_text(json.dumps({"rollout_id": 19}))
+    assert nothing_to_train(cfg)
+    assert not nothing_to_train(tiny_config(tmp_path, "rollout.num_rollout=30"))
+    assert sorted(p.name for p in cfg.save_dir.iterdir()) == ["iter_0000009", "iter_0000019"]
