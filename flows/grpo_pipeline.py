@@ -15,7 +15,6 @@ message and a "Nothing trained" artifact, and registers nothing. The output dir 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -147,17 +146,15 @@ def engines_started_early(cfg: RunConfig, model: dict[str, Any]) -> Iterator[Non
 
 
 def nothing_to_train(cfg: RunConfig) -> bool:
-    """Whether a checkpoint in the save dir already covers rollout.num_rollout, read without verifying or setting
-    aside anything (the train task does that): a wrong guess only starts the engines for nothing, or late."""
-    from vime_core.resume import STATE_FILE
+    """Whether the latest checkpoint already covers rollout.num_rollout, by `peek_latest`'s cheap look (nothing
+    verified or set aside: the train task does that): a wrong guess only starts the engines for nothing, or late."""
+    from vime_core.resume import Checkpointer, ResumeError
 
-    for state in cfg.save_dir.glob(f"iter_*/{STATE_FILE}"):
-        try:
-            if json.loads(state.read_text())["rollout_id"] + 1 >= cfg.rollout.num_rollout:
-                return True
-        except (OSError, ValueError, KeyError, TypeError):  # damaged or being written: the train task decides
-            continue
-    return False
+    latest = Checkpointer(cfg.save_dir).peek_latest() if cfg.checkpoint.resume else None
+    try:
+        return latest is not None and Checkpointer.read_state(latest)["rollout_id"] + 1 >= cfg.rollout.num_rollout
+    except (ResumeError, KeyError):  # the train task reports what is wrong with it
+        return False
 
 
 def already_registered(cfg: RunConfig, run_id: str | None, checkpoint: str) -> bool:

@@ -75,7 +75,7 @@ class TrainStep:
             self.cfg.rollout.temperature,
             with_entropy,
             self.cfg.train.logprob_chunk_tokens,
-            keep_logits=self.cfg.train.logprob_keep_logits and torch.is_grad_enabled(),
+            keep_logits=self.cfg.train.logprob_keep_logits,  # only where backward will run
         )
         return logp, ent, to_device(sample_ids, torch.long, self.device)
 
