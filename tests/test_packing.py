@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vime_core.attention import group_lengths, varlen_attention, varlen_layout
+from vime_core.attention import VIEW_MIN_TOKENS, group_lengths, varlen_attention, varlen_layout
 from vime_core.trainer import pack_micro_batches
 
 
@@ -65,8 +65,11 @@ def _alone(q, k, v, lens, scale):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("lens", [[5, 9, 5, 2, 16, 16, 1], [7], [3, 30]])
-def test_varlen_attention_equals_each_sample_alone(lens):
+# view_min_tokens: VIEW_MIN_TOKENS keeps these short samples in padded groups (views only for equal neighbours and
+# lone samples); 0 attends every sample on a view; 30 mixes views and padded groups in one row
+@pytest.mark.parametrize("view_min_tokens", [VIEW_MIN_TOKENS, 0, 30])
+@pytest.mark.parametrize("lens", [[5, 9, 5, 2, 16, 16, 1], [7], [3, 30], [6, 6, 6, 3], [40, 3, 5, 4]])
+def test_varlen_attention_equals_each_sample_alone(lens, view_min_tokens):
     g = torch.Generator().manual_seed(len(lens))
     t, heads, groups, d = sum(lens), 4, 2, 8
     q, k, v = (
@@ -74,10 +77,29 @@ def test_varlen_attention_equals_each_sample_alone(lens):
     )
     upstream = torch.randn(t, heads, d, generator=g, dtype=torch.float32)
     scale = d**-0.5
-    got = varlen_attention(q, k, v, varlen_layout(lens, "cpu"), scale)
+    got = varlen_attention(q, k, v, varlen_layout(lens, "cpu", view_min_tokens), scale)
     grads = torch.autograd.grad((got * upstream).sum(), (q, k, v))
     want = _alone(q, k, v, lens, scale)
     want_grads = torch.autograd.grad((want * upstream).sum(), (q, k, v))
     assert torch.allclose(got, want, atol=1e-5, rtol=0)
     for a, b in zip(grads, want_grads):
         assert torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "lens, view_min_tokens, views, in_order",
+    [
+        ([4136, 4136], VIEW_MIN_TOKENS, [(2, 4136, 0)], True),  # equal neighbours: one [2, 4136] view
+        ([4150, 4090], VIEW_MIN_TOKENS, [(1, 4150, 0), (1, 4090, 4150)], True),  # long: a view each, no padding
+        ([5, 9, 5, 2], VIEW_MIN_TOKENS, [(1, 9, 5)], False),  # short, uneven: a padded group (and a lone view)
+        ([40, 3, 5, 4], 30, [(1, 40, 0)], False),  # a view among padded groups: assembled by token index
+    ],
+)
+def test_layout_attends_long_and_equal_samples_on_views(lens, view_min_tokens, views, in_order):
+    layout = varlen_layout(lens, "cpu", view_min_tokens)
+    assert [(g.rows, g.width, g.start) for g in layout.groups if g.dst is None] == views
+    assert layout.in_order is in_order
+    assert sum(g.rows for g in layout.groups if g.dst is None) + sum(
+        g.rows for g in layout.groups if g.dst is not None
+    ) == len(lens)
+    assert layout.positions.tolist() == [i for n in lens for i in range(n)]
