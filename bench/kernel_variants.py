@@ -131,7 +131,7 @@ class FlashVarlen(torch.autograd.Function):
 
 
 def attention_block(lens: list[int]) -> dict:
-    from vime_core.attention import _sdpa, varlen_attention, varlen_layout
+    from vime_core.attention import sdpa, varlen_attention, varlen_layout
 
     t = sum(lens)
     dev = DEV
@@ -150,7 +150,7 @@ def attention_block(lens: list[int]) -> dict:
             part = [x.narrow(0, s, n).transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
             if contiguous:
                 part = [p.contiguous() for p in part]
-            outs.append(_sdpa(*part, scale=scale, causal=True)[0].transpose(0, 1))
+            outs.append(sdpa(*part, scale=scale, causal=True)[0].transpose(0, 1))
         return torch.cat(outs)
 
     variants = {
@@ -164,7 +164,7 @@ def attention_block(lens: list[int]) -> dict:
 
         def equal_view(q, k, v):
             part = [x.view(len(lens), n, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)]
-            return _sdpa(*part, scale=scale, causal=True).transpose(1, 2).reshape(t, HEADS, HEAD_DIM)
+            return sdpa(*part, scale=scale, causal=True).transpose(1, 2).reshape(t, HEADS, HEAD_DIM)
 
         variants["equal lengths: one view"] = equal_view
     return compare(f"attention {lens}", variants, [q, k, v], grad)

@@ -158,10 +158,11 @@ def _cumsum(xs: list[int]):
         yield total
 
 
-def _sdpa(
+def sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, mask: torch.Tensor | None = None
 ):
-    """q [b, h, s, d], k/v [b, g, s, d] with h a multiple of g (GQA)."""
+    """Causal (or `mask`ed) SDPA on q [b, h, s, d], k/v [b, g, s, d] with h a multiple of g (GQA): the fused kernels
+    only on CUDA (`_sdpa_cuda`), torch's fused CPU kernel elsewhere."""
     rep = q.size(1) // k.size(1)
     if not q.is_cuda:
         return F.scaled_dot_product_attention(
@@ -210,7 +211,7 @@ def varlen_attention(
             for x in (q, k, v):
                 padded = x.new_zeros(g.rows * g.width, *x.shape[1:]).index_copy(0, g.dst, x.index_select(0, g.src))
                 part.append(padded.view(g.rows, g.width, *x.shape[1:]).transpose(1, 2))  # [rows, heads, width, d]
-        o = _sdpa(*part, scale=scale, causal=True).transpose(1, 2).reshape(g.rows * g.width, *q.shape[1:])
+        o = sdpa(*part, scale=scale, causal=True).transpose(1, 2).reshape(g.rows * g.width, *q.shape[1:])
         outs.append(o if g.dst is None else o.index_select(0, g.dst))
         srcs.append(g.src)
     if layout.in_order:
@@ -313,7 +314,7 @@ class SDPAttention(torch.nn.Module):
         mask = None
         if attention_mask is not None:
             mask = ~attention_mask  # megatron: True = masked out; SDPA: True = attend
-        out = _sdpa(q, k, v, scale=self.softmax_scale, causal=True, mask=mask)
+        out = sdpa(q, k, v, scale=self.softmax_scale, causal=True, mask=mask)
         return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)  # [s, b, h*d]
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
