@@ -100,7 +100,7 @@ def loop_phase(args, model_dir: Path, partial: Path) -> dict:
 
 def vllm_phase(args, model_dir: Path, partial: Path) -> dict:
     from vime_core.platform import apply_offline_env
-    from vime_core.rollout import EngineOptions, engine_kwargs, request_seed, sampling_spec
+    from vime_core.rollout import EngineOptions, engine_kwargs, kv_cache_tokens, request_seed, sampling_spec
 
     apply_offline_env()
     cfg, kept, _ = bench_config(args, model_dir, Path(args.cache) / "runs" / "unused")
@@ -128,6 +128,7 @@ def vllm_phase(args, model_dir: Path, partial: Path) -> dict:
     rec: dict = {
         "engine_kwargs": {k: str(v) for k, v in kwargs.items()},
         "start_s": time.perf_counter() - t0,
+        "kv_cache_tokens": kv_cache_tokens(llm),  # beside the loop engine's (engine_info): a smaller cache preempts
         "seeded": not args.vllm_no_seed,
         "steps": [],
     }

@@ -153,6 +153,7 @@ def summarize(doc: dict) -> dict:
         "hf_sdpa_train_tokens": median_after_first(col("hf", "tokens")),
     }
     loop = ph.get("loop", {})
+    s["kv_cache_tokens"] = kv_cache_tokens(doc)
     keys = trainer_peak_keys(loop.get("steps", []))
     if keys:  # per-step trainer peaks (e.g. perf/trainer_peak_gib, perf/trainer_logprobs_peak_gib): the step's max
         per_step = [max((r[k] for k in keys if r.get(k) is not None), default=None) for r in loop["steps"]]
@@ -173,6 +174,21 @@ def summarize(doc: dict) -> dict:
     return s
 
 
+def kv_cache_tokens(doc: dict) -> dict:
+    """Tokens the loop's engine(s) and raw vLLM could hold in their KV caches, beside the response tokens of one
+    rollout step with every sample at full length (the prompts, shared by a group's samples through the prefix cache,
+    add ~1% at 4,096 tokens): an engine short of it preempts and recomputes samples, a slower rollout at the same
+    settings. None where a phase did not record it."""
+    ph = doc.get("phases", {})
+    engines = [i.get("kv_cache_tokens") for i in ph.get("loop", {}).get("engine_info", [])]
+    prompts, samples, n = doc.get("prompts"), doc.get("samples"), doc.get("response_len")
+    return {
+        "loop_engine": min(engines) if engines and None not in engines else None,
+        "raw_vllm": ph.get("vllm", {}).get("kv_cache_tokens"),
+        "full_length_responses": prompts * samples * n if prompts and samples and n else None,
+    }
+
+
 SUMMARY_KEYS = {
     "rollout_tok_per_gpu_s",
     "raw_vllm_tok_s",
@@ -190,6 +206,7 @@ SUMMARY_KEYS = {
     "loop_train_tokens",
     "hf_sdpa_train_tokens",
     "trainer_peak_source",
+    "kv_cache_tokens",
     "ratios",
     "done_when",
 }

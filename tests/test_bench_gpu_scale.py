@@ -232,3 +232,21 @@ def test_rollout_and_trainer_compare_the_steps_both_phases_ran(rp):
     assert s["rollout_tok_per_gpu_s"] == 110.0
     assert s["ratios"]["rollout_vs_raw_vllm"] == 1.1
     assert s["trainer_tok_s"] == 10.0  # no HF phase: the loop's steps after the first, all of them
+
+
+def test_kv_cache_capacity_is_reported_beside_the_full_length_demand(rp):
+    doc = {
+        "prompts": 16,
+        "samples": 8,
+        "response_len": 4096,
+        "phases": {
+            "loop": {"engine_info": [{"kv_cache_tokens": 420_000}, {"kv_cache_tokens": 560_000}]},
+            "vllm": {"kv_cache_tokens": 575_000},
+        },
+    }
+    assert rp.kv_cache_tokens(doc) == {"loop_engine": 420_000, "raw_vllm": 575_000, "full_length_responses": 524_288}
+    assert rp.kv_cache_tokens({"phases": {"loop": {"engine_info": [{"kv_cache_tokens": None}]}}}) == {
+        "loop_engine": None,
+        "raw_vllm": None,
+        "full_length_responses": None,
+    }

@@ -225,7 +225,12 @@ class VLLMEngine:
 
         from vime_core.schedule import ray_node_id
 
-        return {"max_rss_gib": max_rss_gib(), "start_seconds": self.start_seconds, "node_id": ray_node_id()}
+        return {
+            "max_rss_gib": max_rss_gib(),
+            "start_seconds": self.start_seconds,
+            "node_id": ray_node_id(),
+            "kv_cache_tokens": kv_cache_tokens(self.llm),
+        }
 
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
@@ -242,6 +247,14 @@ class VLLMEngine:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # best effort: the process is about to go
             pass
+
+
+def kv_cache_tokens(llm) -> int | None:
+    """How many tokens the engine's KV cache holds (blocks x block size), as vLLM sized it at start; None if this
+    vLLM does not say. A rollout whose samples need more than this preempts and recomputes some of them."""
+    cache = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+    blocks = getattr(cache, "num_gpu_blocks", None)
+    return int(blocks * cache.block_size) if blocks else None
 
 
 def _generation(c) -> Generation:
