@@ -24,8 +24,8 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 def resolve_recompute(setting: str, platform: str) -> str:
-    """train.recompute `auto`: selective on GPUs (an H200, Qwen3-1.7B at 2 x 4,136 tokens: 44.6 GiB and 21.9k
-    fwd+bwd tok/s against none's 57.9 GiB and 19.9k), none on CPU (the small models there need no saving)."""
+    """train.recompute `auto`: selective on GPUs (an H200, Qwen3-1.7B, micro-batches of 2 x 4,136 tokens: 39.6 GiB
+    and 31.1k tok/s against none's 63.5 GiB and 34.6k), none on CPU (the small models there need no saving)."""
     if setting != "auto":
         return setting
     return "none" if platform == "cpu" else "selective"

@@ -45,10 +45,10 @@ class TrainConfig(Section):
             ge=16,
             description="Token budget of one micro-batch: the summed length of the samples packed into one row "
             "(no padding). 9216 holds two 4,096-token responses: measured trainer peak for "
-            "Qwen3-1.7B bf16 on an H200 (2 x 4,136 tokens, megatron optimizer) 44.6 GiB with "
-            "train.recompute = selective, 57.9 GiB with none (29 GiB of weights, fp32 grads and "
-            "Adam state + 58 / 118 KB of saved activations per token and layer). A budget that "
-            "does not fit fails naming this field.",
+            "Qwen3-1.7B bf16 on an H200 (micro-batches of 2 x 4,136 tokens, megatron optimizer, "
+            "bench/trainer_profile.py) 39.6 GiB with train.recompute = selective, 63.5 GiB with "
+            "none (29 GiB of them weights, fp32 grads and Adam state). A budget that does not fit "
+            "fails naming this field.",
         ),
     ] = 9216
     recompute: Annotated[
@@ -58,8 +58,8 @@ class TrainConfig(Section):
             description="Activation recompute (megatron): `none` keeps every activation; `selective` recomputes each "
             "layer's MLP (the MoE block) in backward; `full` recomputes whole layers (least memory, one "
             "more forward). `auto`: selective on GPUs, none on CPU. Measured on an H200, Qwen3-1.7B bf16, "
-            "2 x 4,136 tokens per micro-batch: selective 44.6 GiB peak and 21.9k fwd+bwd tok/s, none "
-            "57.9 GiB and 19.9k."
+            "a step of 128 x 4,136 tokens in micro-batches of 2 (bench/trainer_profile.py): selective "
+            "31.1k tok/s at a 39.6 GiB peak, none 34.6k at 63.5 GiB."
         ),
     ] = "auto"
     logprob_chunk_tokens: Annotated[
