@@ -154,7 +154,7 @@ class FakeRef:
 
 class FakeActor:
     def __init__(self, error):
-        self.info = SimpleNamespace(remote=lambda: FakeRef(error))
+        self.start = SimpleNamespace(remote=lambda: FakeRef(error))
 
 
 @pytest.mark.parametrize("cause, user", [(ValueError("weights file truncated"), True), (MemoryError("oom"), False)])
@@ -178,6 +178,44 @@ def test_an_actor_start_failure_is_a_user_error_only_when_its_cause_is_one(monke
     assert isinstance(e.value, ClusterError) is user and isinstance(e.value, VimeError) is user
     assert "trainer rank 0 failed to start" in str(e.value) and isinstance(e.value.__cause__, ActorDied)
     assert retried(e.value) is not user
+
+
+def test_colocated_trainers_start_only_once_the_engines_are_up(monkeypatch):
+    """wait_ready(engines_first=True): every engine's ready() is read before any trainer's start() is called (vLLM
+    sizes its KV cache from the device's memory change while it starts); without it both are asked at once."""
+    from vime_core.cluster import wait_ready
+
+    events: list[str] = []
+
+    class Call:
+        def __init__(self, name):
+            self.name = name
+
+        def remote(self):  # a ref: any hashable object
+            events.append(f"call {self.name}")
+            return type("Ref", (), {"name": self.name})()
+
+    def get(ref):
+        events.append(f"got {ref.name}")
+
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(get=get))
+    trainers = [SimpleNamespace(start=Call(f"trainer {i}")) for i in range(2)]
+    engines = [SimpleNamespace(ready=Call(f"engine {i}")) for i in range(2)]
+    wait_ready(trainers, engines, None, engines_first=True)
+    last_engine = max(events.index(f"got engine {i}") for i in range(2))
+    assert last_engine < min(events.index(f"call trainer {i}") for i in range(2)), events
+    events.clear()
+    wait_ready(trainers, engines, None)
+    assert max(events.index(f"call trainer {i}") for i in range(2)) < events.index("got engine 0"), events
+
+
+def test_a_deferred_trainer_builds_nothing_until_start(dense_model_dir):
+    from tests.helpers.trainer_ranks import spawn
+
+    (r,) = spawn("deferred_start", 1, str(dense_model_dir))
+    assert r["before"] == {"model": False, "process_group": False}
+    assert r["model"] and r["first"]["params"] > 0 and r["first"]["step"] == 0
+    assert r["again"]["params"] == r["first"]["params"]  # a second start() only answers
 
 
 # ---- 3. the flow body starts the watchdog ----------------------------------------------------------------------------

@@ -21,19 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from vime_core.config import RunConfig
-from vime_core.errors import ActorTimeoutError, VimeError
+from vime_core.errors import ClusterError
 from vime_core.orphans import remove_on_death
 from vime_core.platform import LOCAL_RAY_ENV, apply_offline_env, raise_fd_limit, worker_env
 from vime_core.ports import free_port
-from vime_core.rpc import gather
+from vime_core.rpc import gather, wait_started
 
 log = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 180
-
-
-class ClusterError(VimeError, RuntimeError):
-    """Ray could not give us what the config asks for; the message says what was missing."""
 
 
 # A local run exposes nothing beyond 127.0.0.1. Ray 2.60 reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is
@@ -450,8 +446,8 @@ def master_address(p: Placement, bundle: int) -> tuple[str, int]:
 def create_trainers(
     cfg: RunConfig, p: Placement, platform: str, model_dir: str, init_checkpoint: str | None = None
 ) -> list[Any]:
-    """All trainer ranks, constructed concurrently (each joins the process group in __init__); they start in the
-    background (see `wait_ready`)."""
+    """All trainer ranks, constructed concurrently; they start in the background (each joins the process group), or
+    on colocated GPUs once the engines are up (`defer_start`, see `wait_ready`)."""
     got = early_start.take("trainers", cfg, p, model_dir, init_checkpoint) if early_start is not None else None
     if got is not None:
         return got
@@ -469,32 +465,24 @@ def create_trainers(
             scheduling_strategy=_strategy(p, bundle),
             runtime_env={"env_vars": _actor_env(platform, p.devices([bundle]), cfg, "train")},
         )
-        .remote(cfg, model_dir, rank, world, addr, port, platform, init_checkpoint)
+        .remote(cfg, model_dir, rank, world, addr, port, platform, init_checkpoint, defer_start=p.engines_sleep)
         for rank, bundle in enumerate(p.trainer_bundles)
     ]
     return actors
 
 
-def wait_ready(trainers: list[Any], engines: list[Any], timeout_s: float | None = None) -> None:
-    """Wait for trainers and engines together (they start concurrently); a failure names the actor that failed."""
-    import ray
+def wait_ready(trainers: list[Any], engines: list[Any], timeout_s: float | None = None, engines_first: bool = False):
+    """Wait for trainers and engines to start (concurrently); a failure names the actor that failed.
 
-    pending = {a.info.remote(): f"trainer rank {i}" for i, a in enumerate(trainers)}
-    pending |= {e.ready.remote(): f"vLLM engine {i}" for i, e in enumerate(engines)}
-    waited = list(pending)
-    if timeout_s is not None:
-        _, late = ray.wait(waited, num_returns=len(waited), timeout=timeout_s)
-        if late:
-            raise ActorTimeoutError(
-                f"{', '.join(pending[r] for r in late)} did not start within {timeout_s:g} s "
-                f"(rollout.timeout_s / train.timeout_s); see the actor's log above"
-            )
-    for ref, who in pending.items():
-        try:
-            ray.get(ref)
-        except Exception as e:
-            # a user error inside the actor (a bad model file, a config the engine refuses) stays one (exit 2, not
-            # retried); anything else (an OOM-killed actor, a crash) is not the user's to fix: a retry may pass it
-            if isinstance(getattr(e, "cause", None), VimeError) or isinstance(e, VimeError):
-                raise ClusterError(f"{who} failed to start: {e}") from e
-            raise RuntimeError(f"{who} failed to start: {e}") from e
+    `engines_first` (colocated GPUs, `Placement.engines_sleep`; the trainers were made with `defer_start`): the
+    trainers' GPU work (`Trainer.start`) begins once every engine is up. vLLM sizes its KV cache from the whole
+    device's memory change between its start and the end of its profiling run, so a trainer allocating its ~16 GiB
+    (Qwen3-1.7B: weights, fp32 main params and grads) on the same GPU meanwhile is charged to the engine
+    (vllm-project/vllm#55827): a smaller cache, samples preempted. slime, too, creates its rollout engines before its
+    training actors. Costs the trainers' GPU setup on top of the engines' start; their processes and imports still
+    overlap it."""
+    engine_refs = {e.ready.remote(): f"vLLM engine {i}" for i, e in enumerate(engines)}
+    if engines_first:
+        wait_started(engine_refs, timeout_s)
+        engine_refs = {}
+    wait_started({a.start.remote(): f"trainer rank {i}" for i, a in enumerate(trainers)} | engine_refs, timeout_s)

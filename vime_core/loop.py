@@ -175,7 +175,10 @@ def train_loop(
             cfg,
         )
         router = RolloutRouter(create_engines(cfg, placement, p.platform, str(p.model_dir)), cfg.rollout.timeout_s)
-        wait_ready(trainer.actors, router.engines, max(cfg.rollout.timeout_s, cfg.train.timeout_s))
+        # colocated GPUs: the trainers allocate only once the engines have sized their KV caches
+        wait_ready(
+            trainer.actors, router.engines, max(cfg.rollout.timeout_s, cfg.train.timeout_s), placement.engines_sleep
+        )
         log.info("trainer and engines ready in %.1fs", time.perf_counter() - t_start)
         sync = WeightSync(
             trainer,

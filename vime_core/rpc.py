@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vime_core.errors import ActorTimeoutError
+from vime_core.errors import ActorTimeoutError, ClusterError, VimeError
 
 
 def gather(refs: list, who: list[str], doing: str, timeout_s: float | None, setting: str) -> list:
@@ -31,3 +31,29 @@ def call_all(
     """`method(*args)` on every actor of a group (`kind` names one in errors: "vLLM engine", "trainer rank")."""
     refs = [getattr(a, method).remote(*args) for a in actors]
     return gather(refs, [f"{kind} {i}" for i in range(len(refs))], method, timeout_s, setting)
+
+
+def wait_started(pending: dict, timeout_s: float | None) -> list:
+    """The results of actor start calls `pending` (ref -> who, e.g. "vLLM engine 0"); one that does not finish within
+    `timeout_s` raises ActorTimeoutError, one that fails raises naming the actor: a user error inside it (a bad model
+    file, a config the engine refuses) as ClusterError (exit 2, not retried), anything else (an OOM-killed actor, a
+    crash: a retry may pass it) as RuntimeError."""
+    import ray
+
+    refs = list(pending)
+    if timeout_s is not None and refs:
+        _, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if late:
+            raise ActorTimeoutError(
+                f"{', '.join(pending[r] for r in late)} did not start within {timeout_s:g} s "
+                f"(rollout.timeout_s / train.timeout_s); see the actor's log above"
+            )
+    out = []
+    for ref, who in pending.items():
+        try:
+            out.append(ray.get(ref))
+        except Exception as e:
+            if isinstance(getattr(e, "cause", None), VimeError) or isinstance(e, VimeError):
+                raise ClusterError(f"{who} failed to start: {e}") from e
+            raise RuntimeError(f"{who} failed to start: {e}") from e
+    return out

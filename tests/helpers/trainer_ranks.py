@@ -168,3 +168,17 @@ def tiny_ddp_model(rank: int, world: int, port: int, model_dir: str):
     mm.load_full_weights(module, hf_to_mcore(load_hf_state_dict(model_dir), arch), arch)
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
     return DistributedDataParallel(cfg, ddp, module=module), arch
+
+
+def deferred_start(rank: int, world: int, port: int, model_dir: str) -> dict:
+    """A Trainer made with defer_start (colocated GPUs): what exists before and after start(), called twice."""
+    import torch.distributed as dist
+
+    from vime_core.config import load_config
+    from vime_core.trainer import Trainer
+
+    cfg = load_config(REPO_CONFIG, [f"train.num_devices={world}", "train.cpu_threads=1"])
+    trainer = Trainer(cfg, model_dir, rank, world, "127.0.0.1", port, "cpu", defer_start=True)
+    before = {"model": hasattr(trainer, "module"), "process_group": dist.is_initialized()}
+    first, again = trainer.start(), trainer.start()
+    return {"before": before, "first": first, "again": again, "model": hasattr(trainer, "module")}

@@ -29,7 +29,9 @@ from vime_core.trainer.step import TrainStep
 
 
 class Trainer(TrainStep, RankCheckpoint):
-    """One trainer rank. Construct all ranks of a group concurrently: __init__ joins the process group."""
+    """One trainer rank. Construct all ranks of a group concurrently: __init__ joins the process group and builds
+    the model, or with `defer_start` only imports, and `start()` (on every rank at once) does the rest: on colocated
+    GPUs the loop calls it once the vLLM engines have sized their KV caches (see cluster.wait_ready)."""
 
     def __init__(
         self,
@@ -41,12 +43,31 @@ class Trainer(TrainStep, RankCheckpoint):
         master_port: int,
         platform: str,
         init_checkpoint: str | None = None,
+        defer_start: bool = False,
     ):
-        from vime_core.platform import apply_megatron_compat, apply_megatron_cpu_shims, apply_offline_env
+        from vime_core.platform import apply_megatron_compat, apply_offline_env
 
         apply_offline_env()
-        apply_megatron_compat()
+        apply_megatron_compat()  # imports megatron: with defer_start, this overlaps the engines' start
         self.cfg, self.rank, self.world_size, self.platform = cfg, rank, world_size, platform
+        self._pending: tuple | None = (model_dir, master_addr, master_port, init_checkpoint)
+        if not defer_start:
+            self.start()
+
+    def start(self) -> dict[str, Any]:
+        """Join the process group, build the model and the optimizer (once; later calls only answer); returns info()."""
+        if self._pending is not None:
+            model_dir, master_addr, master_port, init_checkpoint = self._pending
+            self._setup_device()
+            self._init_parallel(master_addr, master_port)
+            self._build(model_dir, init_checkpoint)
+            self._pending = None
+        return self.info()
+
+    def _setup_device(self) -> None:
+        from vime_core.platform import apply_megatron_cpu_shims
+
+        cfg, platform, world_size = self.cfg, self.platform, self.world_size
         if platform == "cpu":
             apply_megatron_cpu_shims()
             torch.set_num_threads(
@@ -63,8 +84,6 @@ class Trainer(TrainStep, RankCheckpoint):
         else:
             self.device = torch.device("cuda", 0)  # the actor sees exactly its own GPU (cluster._actor_env)
             torch.cuda.set_device(self.device)
-        self._init_parallel(master_addr, master_port)
-        self._build(model_dir, init_checkpoint)
 
     # -- setup --------------------------------------------------------------------------------------------------------
     def _init_parallel(self, master_addr: str, master_port: int) -> None:
