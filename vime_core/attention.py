@@ -109,10 +109,8 @@ def varlen_layout(
     layout.positions = to_device([i for n in seq_lens for i in range(n)], torch.long, device)
     for members in group_lengths(seq_lens):
         runs = _view_groups(members, seq_lens, view_min_tokens)
-        for run in runs or []:
-            a, n = starts[run[0]], seq_lens[run[0]]
-            layout.groups.append(SeqGroup(len(run), n, a, None))
         if runs is not None:
+            layout.groups += [SeqGroup(len(r), seq_lens[r[0]], starts[r[0]], None) for r in runs]
             continue
         width = seq_lens[members[0]]
         src, dst = [], []

@@ -33,8 +33,8 @@ def call_all(
     return gather(refs, [f"{kind} {i}" for i in range(len(refs))], method, timeout_s, setting)
 
 
-def wait_started(pending: dict, timeout_s: float | None) -> list:
-    """The results of actor start calls `pending` (ref -> who, e.g. "vLLM engine 0"); one that does not finish within
+def wait_started(pending: dict, timeout_s: float | None) -> None:
+    """Wait for the actor start calls `pending` (ref -> who, e.g. "vLLM engine 0"); one that does not finish within
     `timeout_s` raises ActorTimeoutError, one that fails raises naming the actor: a user error inside it (a bad model
     file, a config the engine refuses) as ClusterError (exit 2, not retried), anything else (an OOM-killed actor, a
     crash: a retry may pass it) as RuntimeError."""
@@ -48,12 +48,10 @@ def wait_started(pending: dict, timeout_s: float | None) -> list:
                 f"{', '.join(pending[r] for r in late)} did not start within {timeout_s:g} s "
                 f"(rollout.timeout_s / train.timeout_s); see the actor's log above"
             )
-    out = []
     for ref, who in pending.items():
         try:
-            out.append(ray.get(ref))
+            ray.get(ref)
         except Exception as e:
             if isinstance(getattr(e, "cause", None), VimeError) or isinstance(e, VimeError):
                 raise ClusterError(f"{who} failed to start: {e}") from e
             raise RuntimeError(f"{who} failed to start: {e}") from e
-    return out

@@ -17,8 +17,8 @@ The calls that are not obvious:
 - free: data.bad_rows (under `error` a bad row stopped the run, so the set had none: `skip` changes nothing, and
   back to `error` fails loudly at load); train.max_tokens_per_device, recompute, logprob_chunk_tokens,
   logprob_keep_logits, old_logprobs, offload_optimizer, cpu_threads (memory and speed: the loss denominators are
-  global, so the math is the same up to kernel noise); rollout.num_engines, engine_tensor_parallel_size and cluster.* (placement); every timeout_s and
-  rollout.reward_timeout_s.
+  global, so the math is the same up to kernel noise); rollout.num_engines, engine_tensor_parallel_size and
+  cluster.* (placement); every timeout_s and rollout.reward_timeout_s.
 """
 
 from __future__ import annotations

@@ -49,14 +49,14 @@ class TrainStep:
 
         lens = [len(s.tokens) for s in batch]
         ids = to_device([t for s in batch for t in s.tokens], torch.long, self.device)
-        pos = to_device([i for n in lens for i in range(n)], torch.long, self.device)
+        packed = packed_seq_params(lens, self.device)  # its layout holds each token's position in its sample
         gpt = mm.unwrap(model)
         with mm.hidden_states_only(gpt):
             hidden = model(
                 input_ids=ids.unsqueeze(0),
-                position_ids=pos.unsqueeze(0),
+                position_ids=packed.vime_layout.positions.unsqueeze(0),
                 attention_mask=None,
-                packed_seq_params=packed_seq_params(lens, self.device),
+                packed_seq_params=packed,
             )  # [tokens, 1, h]
         # position t predicts token t+1: gather the positions that predict response tokens
         cols, sample_ids, start = [], [], 0
