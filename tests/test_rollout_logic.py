@@ -9,7 +9,15 @@ import pytest
 
 from tests.helpers.tiny import tiny_config
 from vime_core.data import DataBuffer, Prompt, PromptSet
-from vime_core.rollout import GenerateContext, Generation, SamplingSpec, assign_groups, collect_rollout, request_seed
+from vime_core.rollout import (
+    GenerateContext,
+    Generation,
+    SamplingSpec,
+    assign_groups,
+    collect_rollout,
+    kv_cache_shortfall,
+    request_seed,
+)
 from vime_core.sample import Sample
 
 
@@ -193,3 +201,19 @@ def test_engine_kwargs_choose_processed_logprobs_and_executor():
         )
     )
     assert two["distributed_executor_backend"] == "mp" and two["enable_sleep_mode"]
+
+
+def test_kv_cache_shortfall_warns_only_when_concurrent_samples_cannot_fit(tmp_path):
+    # 16 prompts x 8 samples, each up to data.max_prompt_len + rollout.max_response_len tokens, at once on one engine
+    cfg = tiny_config(tmp_path, "rollout.rollout_batch_size=16", "rollout.n_samples_per_prompt=8")
+    need = 128 * (cfg.data.max_prompt_len + cfg.rollout.max_response_len)
+    assert kv_cache_shortfall(cfg, [{"kv_cache_tokens": need, "max_num_seqs": 256}], "cpu") is None
+    short = kv_cache_shortfall(cfg, [{"kv_cache_tokens": need - 1, "max_num_seqs": 256}], "cpu")
+    assert f"holds {need - 1:,} tokens" in short and f"{need:,}" in short and "rollout.cpu_kv_cache_gib" in short
+    gpu = kv_cache_shortfall(cfg, [{"kv_cache_tokens": 1000, "max_num_seqs": None}], "cuda")
+    assert "rollout.gpu_memory_utilization (0.5)" in gpu
+    # the scheduler runs at most max_num_seqs at once; two engines split the groups; an unknown capacity is no warning
+    assert kv_cache_shortfall(cfg, [{"kv_cache_tokens": need // 2, "max_num_seqs": 64}], "cpu") is None
+    two = [{"kv_cache_tokens": need // 2, "max_num_seqs": 256}, {"kv_cache_tokens": need // 2 - 1, "max_num_seqs": 256}]
+    assert kv_cache_shortfall(cfg, two, "cpu").startswith("vLLM engine 1's")
+    assert kv_cache_shortfall(cfg, [{"kv_cache_tokens": None}], "cpu") is None

@@ -135,7 +135,7 @@ def train_loop(
     from vime_core.checkpoint import Checkpointer
     from vime_core.cluster import create_engines, create_trainers, init_ray, make_placement, shutdown_ray, wait_ready
     from vime_core.evaluation import evaluate
-    from vime_core.rollout import RolloutRouter
+    from vime_core.rollout import RolloutRouter, kv_cache_shortfall
     from vime_core.sync import WeightSync, resolve_strategy
     from vime_core.trainer import TrainerGroup
 
@@ -180,6 +180,8 @@ def train_loop(
             trainer.actors, router.engines, max(cfg.rollout.timeout_s, cfg.train.timeout_s), placement.engines_sleep
         )
         log.info("trainer and engines ready in %.1fs", time.perf_counter() - t_start)
+        if kv_warning := kv_cache_shortfall(cfg, router.call_all("info"), p.platform):
+            log.warning(kv_warning)
         sync = WeightSync(
             trainer,
             router,
