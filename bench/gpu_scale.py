@@ -14,6 +14,8 @@ a watchdog that kills the child's process tree, Ray and vLLM included):
          rollout (global batch = prompts x samples); per-step metrics from a MemorySink.
   vllm   raw vLLM on the same checkpoint, prompts (the loop's data buffer order), SamplingParams (same seeds, max
          tokens, processed log-probs), gpu_memory_utilization and max_model_len; no sleep mode, no Ray.
+  vllm_sleep  (diagnostic, not in the default --only) raw vLLM as the loop's engine runs: sleep mode on, asleep and
+         awake between steps; beside `vllm` it tells the sleep-mode allocator's cost from the loop's own.
   hf     transformers + SDPA, what a user writes in 60 lines: no-grad forward for old log-probs, forward + backward of
          a clipped token log-prob (PPO) loss, fused AdamW (bf16 params and states), micro-batches <= 9,216 tokens,
          right padding (causal, so pads do not touch real tokens and SDPA keeps its flash path), no recompute.
@@ -29,6 +31,7 @@ spec sheet; the measured matmul rate is ~790e12, ENVIRONMENT.md).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -45,9 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_scale_report import H200_BF16_PEAK, SHAPES, hf_config, matmul_params, merge_phase, param_count  # noqa: E402
 
 HF_MICRO_BATCH_TOKENS = 9216  # vime's --max-tokens-per-gpu; the HF baseline uses the same budget
-PHASES = ("build", "loop", "vllm", "hf")
+PHASES = ("build", "loop", "vllm", "vllm_sleep", "hf")
 # watchdog per phase (s); every phase is also capped by what is left of --deadline-s
-PHASE_TIMEOUT = {"build": 240, "loop": 560, "vllm": 420, "hf": 300}
+PHASE_TIMEOUT = {"build": 240, "loop": 560, "vllm": 420, "vllm_sleep": 420, "hf": 300}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -126,7 +129,12 @@ def child_main(args) -> int:
     model_dir = model_path(args)
     partial = Path(args.child_out)
     ph = phases()
-    fn = {"loop": ph.loop_phase, "vllm": ph.vllm_phase, "hf": ph.hf_phase}.get(args.child)
+    fn = {
+        "loop": ph.loop_phase,
+        "vllm": ph.vllm_phase,
+        "vllm_sleep": functools.partial(ph.vllm_phase, sleep_mode=True),
+        "hf": ph.hf_phase,
+    }.get(args.child)
     rec = ph.build_checkpoint(args.shape, model_dir, args.device) if fn is None else fn(args, model_dir, partial)
     partial.write_text(json.dumps({**rec, "complete": True}, default=str))
     return 0
@@ -363,7 +371,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--response-len", type=int, default=4096)
     p.add_argument("--steps", type=int, default=3, help="rollout steps per phase; medians skip the first")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu-scale"))
-    p.add_argument("--only", default="build,loop,vllm,hf", help="comma-separated phases (build runs when needed)")
+    p.add_argument(
+        "--only",
+        default="build,loop,vllm,hf",
+        help=f"comma-separated phases of {','.join(PHASES)} (build runs when needed)",
+    )
     p.add_argument(
         "--set",
         action="append",

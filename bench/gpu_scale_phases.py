@@ -98,10 +98,14 @@ def loop_phase(args, model_dir: Path, partial: Path) -> dict:
     return rec
 
 
-def vllm_phase(args, model_dir: Path, partial: Path) -> dict:
+def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -> dict:
+    """Raw vLLM. `sleep_mode` (phase `vllm_sleep`, a diagnostic): as the loop's engine runs, vLLM's sleep-mode
+    allocator on, and asleep (level 1) then awake between steps, still without Ray, a trainer or weight loads."""
     from vime_core.platform import apply_offline_env
     from vime_core.rollout import EngineOptions, engine_kwargs, kv_cache_tokens, request_seed, sampling_spec
 
+    if sleep_mode and args.device == "cpu":
+        return {"steps": [], "skipped": "vLLM's sleep mode needs a GPU"}
     apply_offline_env()
     cfg, kept, _ = bench_config(args, model_dir, Path(args.cache) / "runs" / "unused")
     prompts = step_prompts(cfg, model_dir, args.steps)
@@ -119,7 +123,7 @@ def vllm_phase(args, model_dir: Path, partial: Path) -> dict:
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
             enforce_eager=cfg.rollout.enforce_eager,
-            sleep_mode=False,
+            sleep_mode=sleep_mode,
         )
     )
     kwargs.pop("worker_extension_cls", None)  # raw vLLM: no weight-sync extension
@@ -130,10 +134,14 @@ def vllm_phase(args, model_dir: Path, partial: Path) -> dict:
         "start_s": time.perf_counter() - t0,
         "kv_cache_tokens": kv_cache_tokens(llm),  # beside the loop engine's (engine_info): a smaller cache preempts
         "seeded": not args.vllm_no_seed,
+        "sleep_mode": sleep_mode,
         "steps": [],
     }
     spec = sampling_spec(cfg)
     for step, batch in enumerate(prompts):
+        if sleep_mode and step:
+            llm.sleep(level=1)  # the loop's engine sleeps while its trainer works and wakes for the next rollout
+            llm.wake_up()
         params = [
             spec.vllm_params(seed=None if args.vllm_no_seed else request_seed(cfg.seed, step, 0, i))
             for i in range(len(batch))
@@ -153,7 +161,10 @@ def vllm_phase(args, model_dir: Path, partial: Path) -> dict:
             }
         )
         partial.write_text(json.dumps(rec, default=str))
-        print(f"[vllm] step {step}: {dt:.1f}s {sum(lens) / dt:,.0f} tok/s ({len(lens)} samples)", flush=True)
+        print(
+            f"[vllm{'_sleep' if sleep_mode else ''}] step {step}: {dt:.1f}s {sum(lens) / dt:,.0f} tok/s ({len(lens)} samples)",
+            flush=True,
+        )
     return rec
 
 

@@ -133,10 +133,12 @@ def summarize(doc: dict) -> dict:
     ph = doc.get("phases", {})
     col = lambda name, key: [r.get(key) for r in ph.get(name, {}).get("steps", [])]  # noqa: E731
     rollout, raw = matched_steps(col("loop", "perf/tokens_per_gpu_per_sec"), col("vllm", "tok_s"))
+    _, raw_sleep = matched_steps(col("loop", "perf/tokens_per_gpu_per_sec"), col("vllm_sleep", "tok_s"))
     trainer, hf = matched_steps(col("loop", "perf/actor_train_tok_per_s"), col("hf", "tok_s"))
     s = {
         "rollout_tok_per_gpu_s": median_after_first(rollout),
         "raw_vllm_tok_s": median_after_first(raw),
+        "raw_vllm_sleep_mode_tok_s": median_after_first(raw_sleep),  # phase vllm_sleep, a diagnostic
         "trainer_tok_s": median_after_first(trainer),
         "hf_sdpa_tok_s": median_after_first(hf),
         "trainer_peak_gib": None,
@@ -165,6 +167,7 @@ def summarize(doc: dict) -> dict:
     s["ratios"] = {
         "trainer_vs_hf_sdpa": div("trainer_tok_s", "hf_sdpa_tok_s"),
         "rollout_vs_raw_vllm": div("rollout_tok_per_gpu_s", "raw_vllm_tok_s"),
+        "raw_vllm_sleep_mode_vs_raw_vllm": div("raw_vllm_sleep_mode_tok_s", "raw_vllm_tok_s"),
         "trainer_peak_vs_hf_sdpa_peak": div("trainer_peak_gib", "hf_sdpa_peak_gib"),
     }
     s["done_when"] = {}
@@ -185,6 +188,7 @@ def kv_cache_tokens(doc: dict) -> dict:
     return {
         "loop_engine": min(engines) if engines and None not in engines else None,
         "raw_vllm": ph.get("vllm", {}).get("kv_cache_tokens"),
+        "raw_vllm_sleep_mode": ph.get("vllm_sleep", {}).get("kv_cache_tokens"),
         "full_length_responses": prompts * samples * n if prompts and samples and n else None,
     }
 
@@ -192,6 +196,7 @@ def kv_cache_tokens(doc: dict) -> dict:
 SUMMARY_KEYS = {
     "rollout_tok_per_gpu_s",
     "raw_vllm_tok_s",
+    "raw_vllm_sleep_mode_tok_s",
     "trainer_tok_s",
     "hf_sdpa_tok_s",
     "trainer_peak_gib",

@@ -242,11 +242,28 @@ def test_kv_cache_capacity_is_reported_beside_the_full_length_demand(rp):
         "phases": {
             "loop": {"engine_info": [{"kv_cache_tokens": 420_000}, {"kv_cache_tokens": 560_000}]},
             "vllm": {"kv_cache_tokens": 575_000},
+            "vllm_sleep": {"kv_cache_tokens": 570_000},
         },
     }
-    assert rp.kv_cache_tokens(doc) == {"loop_engine": 420_000, "raw_vllm": 575_000, "full_length_responses": 524_288}
+    assert rp.kv_cache_tokens(doc) == {
+        "loop_engine": 420_000,
+        "raw_vllm": 575_000,
+        "raw_vllm_sleep_mode": 570_000,
+        "full_length_responses": 524_288,
+    }
     assert rp.kv_cache_tokens({"phases": {"loop": {"engine_info": [{"kv_cache_tokens": None}]}}}) == {
         "loop_engine": None,
         "raw_vllm": None,
+        "raw_vllm_sleep_mode": None,
         "full_length_responses": None,
     }
+
+
+def test_the_sleep_mode_diagnostic_is_compared_with_plain_raw_vllm_only(rp):
+    loop = [{"perf/tokens_per_gpu_per_sec": 80.0}] * 3
+    doc = _doc(loop, [{"tok_s": 100.0}] * 3, [])
+    doc["phases"]["vllm_sleep"] = {"steps": [{"tok_s": 120.0}, {"tok_s": 90.0}, {"tok_s": 90.0}]}
+    s = rp.summarize(doc)
+    assert s["raw_vllm_sleep_mode_tok_s"] == 90.0 and s["ratios"]["raw_vllm_sleep_mode_vs_raw_vllm"] == 0.9
+    assert s["raw_vllm_tok_s"] == 100.0 and s["ratios"]["rollout_vs_raw_vllm"] == 0.8  # the check keeps plain vLLM
+    assert rp.summarize(_doc(loop, [], []))["raw_vllm_sleep_mode_tok_s"] is None
