@@ -102,7 +102,8 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
     """Raw vLLM. `sleep_mode` (phase `vllm_sleep`, a diagnostic): as the loop's engine runs, vLLM's sleep-mode
     allocator on, and asleep (level 1) then awake between steps, still without Ray, a trainer or weight loads."""
     from vime_core.platform import apply_offline_env
-    from vime_core.rollout import EngineOptions, engine_kwargs, kv_cache_tokens, request_seed, sampling_spec
+    from vime_core.kv_cache import kv_cache_tokens
+    from vime_core.rollout import EngineOptions, engine_kwargs, request_seed, sampling_spec
 
     if sleep_mode and args.device == "cpu":
         return {"steps": [], "skipped": "vLLM's sleep mode needs a GPU"}
@@ -124,6 +125,7 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
             cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
             enforce_eager=cfg.rollout.enforce_eager,
             sleep_mode=sleep_mode,
+            extra=dict(cfg.rollout.vllm_kwargs),  # `--set rollout.vllm_kwargs.x=y` reaches both phases
         )
     )
     kwargs.pop("worker_extension_cls", None)  # raw vLLM: no weight-sync extension

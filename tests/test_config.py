@@ -3,6 +3,8 @@ the resume fingerprint: test_fingerprint.py)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -196,6 +198,24 @@ def test_dynamic_sampling_needs_over_sampling_batch_size():
 def test_cuda_ipc_needs_colocate():
     msg = _error(["sync.strategy=cuda_ipc"])
     assert "sync.strategy = cuda_ipc needs cluster.colocate = true" in msg
+
+
+def test_vllm_kwargs_pass_through_but_not_the_arguments_vime_flow_sets():
+    cfg = load_config(TINY, ["rollout.vllm_kwargs.max_num_seqs=64", "rollout.vllm_kwargs.async_scheduling=true"])
+    assert cfg.rollout.vllm_kwargs == {"max_num_seqs": 64, "async_scheduling": True}
+    assert flatten(cfg)["rollout.vllm_kwargs.max_num_seqs"] == 64  # one MLflow param per argument
+    msg = _error(["rollout.vllm_kwargs.dtype=float16", "rollout.vllm_kwargs.gpu_memory_utilization=0.9"])
+    assert "rollout.vllm_kwargs.dtype is set by vime-flow from model.dtype" in msg
+    assert "rollout.vllm_kwargs.gpu_memory_utilization is set by vime-flow from rollout.gpu_memory_utilization" in msg
+
+
+def test_vllm_kwargs_names_are_checked_against_the_installed_vllm():
+    """In a child process: importing vLLM takes ~12 s here and sets process-wide state the other tests do without."""
+    code = "from vime_core.rollout import check_vllm_kwargs as c; c({'max_num_seqs': 8}); c({'max_num_seq': 8})"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode != 0 and "VllmKwargsError" in out.stderr, out.stderr[-2000:]
+    assert "rollout.vllm_kwargs.max_num_seq is not an argument of vLLM" in out.stderr
+    assert "did you mean max_num_seqs" in out.stderr
 
 
 def test_cpu_platform_rejects_nccl():

@@ -12,7 +12,7 @@ import statistics
 import pytest
 
 from tests.helpers.tiny import tiny_config
-from vime_core.rollout import kv_cache_shortfall
+from vime_core.kv_cache import kv_cache_shortfall
 from vime_core.tracking import PERF_METRICS, ROLLOUT_METRICS, TRAIN_METRICS, MemorySink
 
 pytestmark = pytest.mark.e2e
@@ -39,13 +39,15 @@ def moe_run(tmp_path_factory, moe_model_dir):
     from vime_core.loop import run
 
     out = tmp_path_factory.mktemp("moe")
-    # this run also goes through the custom generate hook (one policy turn + a masked "tool" token)
+    # this run also goes through the custom generate hook (one policy turn + a masked "tool" token) and passes an
+    # engine argument through rollout.vllm_kwargs (vLLM's CPU default is 256 sequences at once)
     cfg = tiny_config(
         out,
         "model.source=builtin://tiny-qwen3moe-arith",
         "rollout.num_rollout=3",
         "eval.datasets=[]",
         "rollout.custom_generate=tests.helpers.custom_generate:with_tool_suffix",
+        "rollout.vllm_kwargs.max_num_seqs=48",
     )
     sink = MemorySink()
     return cfg, sink, run(cfg, sink)
@@ -95,6 +97,7 @@ def test_moe_logprobs_agree_after_syncs(moe_run):
     assert_weights_moved(result)
     # every response is the policy's turn (at least one token) plus the hook's one masked token
     assert all(r["rollout/response_len/mean"] >= 2 for r in rows)
+    assert [i["max_num_seqs"] for i in result.engine_info] == [48]  # rollout.vllm_kwargs reached the engine
 
 
 @pytest.fixture(scope="module")

@@ -9,13 +9,13 @@ import pytest
 
 from tests.helpers.tiny import tiny_config
 from vime_core.data import DataBuffer, Prompt, PromptSet
+from vime_core.kv_cache import kv_cache_shortfall
 from vime_core.rollout import (
     GenerateContext,
     Generation,
     SamplingSpec,
     assign_groups,
     collect_rollout,
-    kv_cache_shortfall,
     request_seed,
 )
 from vime_core.sample import Sample

@@ -135,7 +135,8 @@ def train_loop(
     from vime_core.checkpoint import Checkpointer
     from vime_core.cluster import create_engines, create_trainers, init_ray, make_placement, shutdown_ray, wait_ready
     from vime_core.evaluation import evaluate
-    from vime_core.rollout import RolloutRouter, kv_cache_shortfall
+    from vime_core.kv_cache import kv_cache_shortfall
+    from vime_core.rollout import RolloutRouter
     from vime_core.sync import WeightSync, resolve_strategy
     from vime_core.trainer import TrainerGroup
 

@@ -15,6 +15,8 @@ returns a `Generation`. Concurrent calls of all samples are batched into one vLL
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import difflib
 import hashlib
 import inspect
 import logging
@@ -26,6 +28,7 @@ from typing import Any
 
 from vime_core.aio import run_sync
 from vime_core.errors import VimeError
+from vime_core.kv_cache import kv_cache_tokens, max_num_seqs
 from vime_core.rpc import call_all, gather
 from vime_core.sample import Sample
 
@@ -114,6 +117,25 @@ def load_custom_generate(spec: str):
     return fn
 
 
+class VllmKwargsError(VimeError, ValueError):
+    """rollout.vllm_kwargs names an argument this vLLM's engine does not have."""
+
+
+def check_vllm_kwargs(extra: dict[str, Any]) -> None:
+    """Every name in rollout.vllm_kwargs is a field of this vLLM's EngineArgs (checked in the engine's process, where
+    vLLM is imported anyway: ~12 s of import in the driver on the 2-core box)."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    for key in sorted(set(extra) - known):
+        close = difflib.get_close_matches(key, known, n=3)
+        hint = f"; did you mean {' / '.join(close)}?" if close else ""
+        raise VllmKwargsError(
+            f"rollout.vllm_kwargs.{key} is not an argument of vLLM {vllm.__version__}'s engine (vllm.EngineArgs){hint}"
+        )
+
+
 def engine_kwargs(opts: EngineOptions) -> dict[str, Any]:
     """The keyword arguments of vLLM's `LLM` for these options (pure, so that tests can check the choices)."""
     kwargs: dict[str, Any] = dict(
@@ -160,6 +182,7 @@ class VLLMEngine:
         from vllm import LLM
 
         quiet_vllm()  # again: vLLM's own handler exists now
+        check_vllm_kwargs(opts.extra)
         self.opts = opts
         kwargs = engine_kwargs(opts)
         kwargs.setdefault("use_tqdm_on_load", False)  # a 3-line progress bar for loading one file, at every start
@@ -248,47 +271,6 @@ class VLLMEngine:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # best effort: the process is about to go
             pass
-
-
-def kv_cache_tokens(llm) -> int | None:
-    """How many tokens the engine's KV cache holds (blocks x block size), as vLLM sized it at start; None if this
-    vLLM does not say. A rollout whose samples need more than this preempts and recomputes some of them."""
-    cache = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
-    blocks = getattr(cache, "num_gpu_blocks", None)
-    return int(blocks * cache.block_size) if blocks else None
-
-
-def max_num_seqs(llm) -> int | None:
-    """How many sequences the engine's scheduler runs at once (None if this vLLM does not say)."""
-    sched = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "scheduler_config", None)
-    return getattr(sched, "max_num_seqs", None)
-
-
-def kv_cache_shortfall(cfg, engine_infos: list[dict], platform: str) -> str | None:
-    """A one-line warning when an engine's KV cache (engine `info()`) cannot hold the samples one rollout runs on it
-    at once, each at data.max_prompt_len + rollout.max_response_len tokens; None when every engine can. Short of it,
-    vLLM preempts running samples and recomputes them later: correct, but slower (a Qwen3-1.7B rollout at 4,096
-    tokens, 128 samples, needs ~56 GiB of KV cache, close to what `gpu_memory_utilization` 0.5 leaves on an H200)."""
-    r = cfg.rollout
-    prompts = r.over_sampling_batch_size if r.dynamic_sampling else r.rollout_batch_size
-    per_engine = -(-prompts // max(1, len(engine_infos))) * r.n_samples_per_prompt
-    per_sample = cfg.data.max_prompt_len + r.max_response_len
-    for i, info in enumerate(engine_infos):
-        held = info.get("kv_cache_tokens")
-        running = min(per_engine, info.get("max_num_seqs") or per_engine)
-        if held and held < running * per_sample:
-            knob = (
-                f"rollout.cpu_kv_cache_gib ({r.cpu_kv_cache_gib})"
-                if platform == "cpu"
-                else f"rollout.gpu_memory_utilization ({r.gpu_memory_utilization})"
-            )
-            return (
-                f"vLLM engine {i}'s KV cache holds {held:,} tokens, fewer than the {running * per_sample:,} that "
-                f"{running} samples of up to {per_sample:,} tokens (data.max_prompt_len + rollout.max_response_len) "
-                f"reach at once: vLLM will preempt and recompute samples, a slower rollout. Raise {knob} or "
-                "rollout.num_engines, or lower rollout.max_response_len"
-            )
-    return None
 
 
 def _generation(c) -> Generation:

@@ -10,8 +10,27 @@ if TYPE_CHECKING:
     from vime_core.config.schema import RunConfig
 
 
+# vLLM engine arguments vime-flow sets itself, and where from (rollout.vllm_kwargs may not set them)
+VLLM_KWARGS_SET_BY = {
+    "model": "model.source",
+    "tokenizer": "model.source (the trainer tokenizes with the same files)",
+    "dtype": "model.dtype",
+    "seed": "seed",
+    "max_model_len": "data.max_prompt_len + rollout.max_response_len",
+    "tensor_parallel_size": "rollout.engine_tensor_parallel_size",
+    "gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "enforce_eager": "rollout.enforce_eager",
+    "enable_sleep_mode": "cluster.colocate (colocated engines sleep while the trainer works)",
+    "logprobs_mode": "the loss (processed log-probs: those of the distribution the samples were drawn from)",
+    "worker_extension_cls": "the weight sync (its receive side in every vLLM worker)",
+    "distributed_executor_backend": "the placement (an engine's workers use the GPUs its actor was given)",
+}
+
+
 def cross_field_problems(c: RunConfig) -> Iterator[str]:
     r, t = c.rollout, c.train
+    for key in sorted(set(r.vllm_kwargs) & set(VLLM_KWARGS_SET_BY)):
+        yield f"rollout.vllm_kwargs.{key} is set by vime-flow from {VLLM_KWARGS_SET_BY[key]}; remove it from rollout.vllm_kwargs"
     samples = c.samples_per_rollout
     if samples % t.global_batch_size:
         yield (

@@ -88,11 +88,14 @@ def dump_config(cfg: RunConfig) -> str:
 
 
 def flatten(cfg: RunConfig) -> dict[str, Any]:
-    """`section.field -> value` for logging as params."""
+    """`section.field -> value` for logging as params; a mapping field (rollout.vllm_kwargs) gives one key per entry,
+    or `{}` when empty, so that every field appears."""
     out: dict[str, Any] = {}
 
     def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, dict):
+        if isinstance(node, dict) and not node and prefix:
+            out[prefix] = "{}"
+        elif isinstance(node, dict):
             for k, v in node.items():
                 walk(f"{prefix}.{k}" if prefix else k, v)
         else:

@@ -101,6 +101,16 @@ class RolloutConfig(Section):
     ] = 0.5
     cpu_kv_cache_gib: Annotated[float, FREE, Field(gt=0.0, le=512, description="KV cache size on CPU, GiB.")] = 1.0
     enforce_eager: Annotated[bool, FREE, Field(description="Disable CUDA graphs / compilation in vLLM.")] = False
+    vllm_kwargs: Annotated[
+        dict[str, Any],
+        FREE,
+        Field(
+            description="More arguments of each vLLM engine (fields of vllm.EngineArgs), e.g. "
+            "`{async_scheduling: true, max_num_seqs: 512, kv_cache_memory_bytes: 60000000000}`; from the CLI "
+            "`rollout.vllm_kwargs.max_num_seqs=512`. Each engine checks the names before it starts; the arguments "
+            "vime-flow sets itself are refused here, naming the field that sets them.",
+        ),
+    ] = {}
     reward: Annotated[
         str,
         FIXED,
