@@ -4,6 +4,8 @@ preempts and recomputes them: correct, but slower)."""
 
 from __future__ import annotations
 
+import math
+
 
 def kv_cache_tokens(llm) -> int | None:
     """How many tokens the engine's KV cache holds (blocks x block size), as vLLM sized it at start; None if this
@@ -26,7 +28,7 @@ def kv_cache_shortfall(cfg, engine_infos: list[dict], platform: str) -> str | No
     tokens, 128 samples, needs ~56 GiB of KV cache, close to what `gpu_memory_utilization` 0.5 leaves on an H200)."""
     r = cfg.rollout
     prompts = r.over_sampling_batch_size if r.dynamic_sampling else r.rollout_batch_size
-    per_engine = -(-prompts // max(1, len(engine_infos))) * r.n_samples_per_prompt
+    per_engine = math.ceil(prompts / max(1, len(engine_infos))) * r.n_samples_per_prompt  # groups stay whole
     per_sample = cfg.data.max_prompt_len + r.max_response_len
     for i, info in enumerate(engine_infos):
         held = info.get("kv_cache_tokens")
