@@ -58,7 +58,7 @@ def test_model_weights_stay_where_they_are():
 
 
 @pytest.mark.parametrize(
-    "setting, colocate, platform, want",
+    "setting, engines_sleep, platform, want",
     [
         ("auto", True, "cuda", True),
         ("auto", False, "cuda", False),
@@ -68,8 +68,8 @@ def test_model_weights_stay_where_they_are():
         (True, True, "cpu", False),
     ],
 )
-def test_offload_is_on_for_colocated_gpus(setting, colocate, platform, want):
-    assert offload_enabled(setting, colocate, platform) is want
+def test_offload_is_on_for_colocated_gpus(setting, engines_sleep, platform, want):
+    assert offload_enabled(setting, engines_sleep, platform) is want
 
 
 def _fake_trainer(budget: int):

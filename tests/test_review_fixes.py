@@ -209,6 +209,25 @@ def test_colocated_trainers_start_only_once_the_engines_are_up(monkeypatch):
     assert max(events.index(f"call trainer {i}") for i in range(2)) < events.index("got engine 0"), events
 
 
+@pytest.mark.parametrize("sleep", [True, False])
+def test_colocated_engines_sleep_unless_cluster_engines_sleep_is_false(tmp_path, sleep):
+    """cluster.engines_sleep=false: no vLLM sleep mode and no optimizer offload, but the engines still start first
+    (their KV sizing must not see the trainers' allocations either way)."""
+    from vime_core.cluster import Placement, engine_specs
+    from vime_core.memory import offload_enabled
+
+    cfg = tiny_config(tmp_path, "cluster.colocate=true", "train.num_devices=1", f"cluster.engines_sleep={sleep}")
+    p = Placement(None, [0], [[0]], True, True, ["0"], cfg.cluster.engines_sleep)
+    assert p.colocated_gpu and p.engines_sleep is sleep
+    assert engine_specs(cfg, p, "cuda", "/m")[0][0].sleep_mode is sleep
+    assert (
+        offload_enabled(cfg.train.offload_optimizer, cfg.cluster.colocate and cfg.cluster.engines_sleep, "cuda")
+        is sleep
+    )
+    cpu = Placement(None, [0], [[0]], False, True, [""], True)
+    assert not cpu.colocated_gpu and not cpu.engines_sleep
+
+
 def test_a_deferred_trainer_builds_nothing_until_start(dense_model_dir):
     from tests.helpers.trainer_ranks import spawn
 

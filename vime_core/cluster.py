@@ -204,11 +204,17 @@ class Placement:
     gpu: bool
     colocate: bool
     bundle_devices: list[str]  # the GPU id Ray gave each bundle ("" on CPU)
+    sleep: bool = True  # cluster.engines_sleep
+
+    @property
+    def colocated_gpu(self) -> bool:
+        """Trainers and engines share GPUs: the engines start first (`wait_ready`), the trainers' GPU work after."""
+        return self.colocate and self.gpu
 
     @property
     def engines_sleep(self) -> bool:
-        """Colocated GPU engines release their memory while the trainer works (vLLM sleep mode)."""
-        return self.colocate and self.gpu
+        """Colocated GPU engines release their memory while the trainer works (vLLM sleep mode; cluster.engines_sleep)."""
+        return self.colocated_gpu and self.sleep
 
     def devices(self, bundles: list[int]) -> list[int]:
         return [int(self.bundle_devices[b]) for b in bundles] if self.gpu else []
@@ -293,7 +299,7 @@ def make_placement(cfg: RunConfig, platform: str, engines_only: bool = False) ->
             f"Ray could not place {len(bundles)} bundle(s) of {unit} within {PLACEMENT_TIMEOUT_S}s; "
             f"cluster resources: {ray.cluster_resources()}. Lower train.num_devices / rollout.num_engines or add nodes."
         )
-    p = Placement(pg, list(range(n_train)), engine_b, gpu, colocate, [""] * len(bundles))
+    p = Placement(pg, list(range(n_train)), engine_b, gpu, colocate, [""] * len(bundles), cfg.cluster.engines_sleep)
     if gpu:
         p.bundle_devices = _bundle_gpus(p, len(bundles))
     return p
@@ -466,7 +472,7 @@ def create_trainers(
             scheduling_strategy=_strategy(p, bundle),
             runtime_env={"env_vars": _actor_env(platform, p.devices([bundle]), cfg, "train")},
         )
-        .remote(cfg, model_dir, rank, world, addr, port, platform, init_checkpoint, defer_start=p.engines_sleep)
+        .remote(cfg, model_dir, rank, world, addr, port, platform, init_checkpoint, defer_start=p.colocated_gpu)
         for rank, bundle in enumerate(p.trainer_bundles)
     ]
     return actors
@@ -475,7 +481,7 @@ def create_trainers(
 def wait_ready(trainers: list[Any], engines: list[Any], timeout_s: float | None = None, engines_first: bool = False):
     """Wait for trainers and engines to start (concurrently); a failure names the actor that failed.
 
-    `engines_first` (colocated GPUs, `Placement.engines_sleep`; the trainers were made with `defer_start`): the
+    `engines_first` (colocated GPUs, `Placement.colocated_gpu`; the trainers were made with `defer_start`): the
     trainers' GPU work (`Trainer.start`) begins once every engine is up. vLLM sizes its KV cache from the whole
     device's memory change between its start and the end of its profiling run, so a trainer allocating its ~16 GiB
     (Qwen3-1.7B: weights, fp32 main params and grads) on the same GPU meanwhile is charged to the engine

@@ -178,7 +178,7 @@ def train_loop(
         router = RolloutRouter(create_engines(cfg, placement, p.platform, str(p.model_dir)), cfg.rollout.timeout_s)
         # colocated GPUs: the trainers allocate only once the engines have sized their KV caches
         wait_ready(
-            trainer.actors, router.engines, max(cfg.rollout.timeout_s, cfg.train.timeout_s), placement.engines_sleep
+            trainer.actors, router.engines, max(cfg.rollout.timeout_s, cfg.train.timeout_s), placement.colocated_gpu
         )
         log.info("trainer and engines ready in %.1fs", time.perf_counter() - t_start)
         if kv_warning := kv_cache_shortfall(cfg, router.call_all("info"), p.platform):

@@ -48,11 +48,12 @@ def budget_error(budget: int, longest: int, device: torch.device, where: str) ->
     )
 
 
-def offload_enabled(setting, colocate: bool, platform: str) -> bool:
-    """train.offload_optimizer: `auto` on colocated GPUs, `true` on any GPU placement, never on CPU."""
+def offload_enabled(setting, engines_sleep: bool, platform: str) -> bool:
+    """train.offload_optimizer: `auto` where colocated engines sleep while the trainer works (cluster.colocate and
+    cluster.engines_sleep: the memory freed goes to vLLM's KV cache), `true` on any GPU placement, never on CPU."""
     if platform == "cpu" or setting is False:
         return False
-    return colocate if setting == "auto" else True
+    return engines_sleep if setting == "auto" else True
 
 
 def train_step_memory(train):

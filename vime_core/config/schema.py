@@ -266,6 +266,18 @@ class ClusterConfig(Section):
     colocate: Annotated[
         bool, FREE, Field(description="Trainer and vLLM share devices and take turns (needs equal device counts).")
     ] = False
+    engines_sleep: Annotated[
+        bool,
+        FREE,
+        Field(
+            description="Colocated GPUs: the vLLM engines sleep (free their weights and KV cache) while the trainer "
+            "works, and the trainer's optimizer state goes to host memory while they generate "
+            "(train.offload_optimizer auto). false keeps the engines awake: no vLLM sleep-mode allocator (raw vLLM "
+            "ran 0.91x as fast with it, Qwen3-1.7B x 1,024 on an H200, bench/gpu_scale.py --only vllm_sleep) and "
+            "no offload, but the trainer then has only the memory vLLM leaves it (1 - "
+            "rollout.gpu_memory_utilization of each GPU). No effect on CPU or without cluster.colocate.",
+        ),
+    ] = True
     ray_address: Annotated[
         str | None,
         FREE,

@@ -102,7 +102,8 @@ class TrainConfig(Section):
         Field(
             description="Move the optimizer state (Adam moments, fp32 main params) and gradients to pinned host "
             "memory while vLLM generates, and back before training. `auto`: on for colocated GPUs "
-            "(cluster.colocate) only; `true`: on every GPU placement; no effect on CPU."
+            "whose engines sleep (cluster.colocate, cluster.engines_sleep) only; `true`: on every GPU placement; "
+            "no effect on CPU."
         ),
     ] = "auto"
     optimizer: Annotated[

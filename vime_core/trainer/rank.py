@@ -207,7 +207,9 @@ class Trainer(TrainStep, RankCheckpoint):
         self.peaks = PhasePeaks(self.device)
         self.offloader = HostOffload(self.optimizer, self.model, self.module, self.device)
         self.offload_enabled = offload_enabled(
-            self.cfg.train.offload_optimizer, self.cfg.cluster.colocate, self.platform
+            self.cfg.train.offload_optimizer,
+            self.cfg.cluster.colocate and self.cfg.cluster.engines_sleep,
+            self.platform,
         )
         self.offload_times = {"offload": 0.0, "onload": 0.0}
 
