@@ -7,18 +7,22 @@ from __future__ import annotations
 import math
 
 
+def _engine_config(llm, section: str):
+    """`llm.llm_engine.vllm_config.<section>`, or None where this vLLM lays it out otherwise."""
+    return getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), section, None)
+
+
 def kv_cache_tokens(llm) -> int | None:
     """How many tokens the engine's KV cache holds (blocks x block size), as vLLM sized it at start; None if this
     vLLM does not say. A rollout whose samples need more than this preempts and recomputes some of them."""
-    cache = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "cache_config", None)
+    cache = _engine_config(llm, "cache_config")
     blocks = getattr(cache, "num_gpu_blocks", None)
     return int(blocks * cache.block_size) if blocks else None
 
 
 def max_num_seqs(llm) -> int | None:
     """How many sequences the engine's scheduler runs at once (None if this vLLM does not say)."""
-    sched = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "scheduler_config", None)
-    return getattr(sched, "max_num_seqs", None)
+    return getattr(_engine_config(llm, "scheduler_config"), "max_num_seqs", None)
 
 
 def kv_cache_shortfall(cfg, engine_infos: list[dict], platform: str) -> str | None:
