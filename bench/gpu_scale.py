@@ -37,7 +37,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -45,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpu_monitor import DeviceMonitor, annotate_steps, gpu_sample, step_lines  # noqa: E402
 from gpu_scale_report import H200_BF16_PEAK, SHAPES, hf_config, matmul_params, merge_phase, param_count  # noqa: E402
 
 HF_MICRO_BATCH_TOKENS = 9216  # vime's --max-tokens-per-gpu; the issue's HF baseline uses the same budget
@@ -144,32 +144,8 @@ def model_path(args) -> Path:
     return Path(args.cache) / "models" / f"qwen3-{args.shape}-random"
 
 
-class GpuMemPeak(threading.Thread):
-    """Peak device memory in use (nvidia-smi, every 0.5 s): vLLM + trainer + CUDA contexts, unlike the allocators."""
-
-    def __init__(self):
-        super().__init__(daemon=True)
-        self.peak, self.stop = None, threading.Event()
-
-    def run(self):
-        while not self.stop.wait(0.5):
-            used = gpu_used_gib()
-            if used is None:
-                return
-            self.peak = max(self.peak or 0.0, used)
-
-
 def gpu_used_gib() -> float | None:
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.split()
-        return float(out[0]) / 1024
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-        return None
+    return (gpu_sample() or {}).get("used_gib")
 
 
 def wait_gpu_released(limit_gib: float = 4.0, wait_s: float = 15.0) -> float | None:
@@ -237,25 +213,27 @@ def run_child(args, phase: str, timeout: float) -> dict:
         "--child-timeout",
         str(int(timeout)),
     ]
-    mem = GpuMemPeak()
-    mem.start()
     t0 = time.time()
     proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    mon = DeviceMonitor(proc.pid)
+    mon.start()
     try:
         rc, timed_out = proc.wait(timeout=timeout), False
     except subprocess.TimeoutExpired:
         rc, timed_out = None, True
     kill_tree(proc)  # also after a clean exit: nothing of a phase may hold GPU memory into the next one
-    mem.stop.set()
+    mon.stop.set()
     used_after = wait_gpu_released()
     rec = json.loads(partial.read_text()) if partial.is_file() else {"steps": []}
     partial.unlink(missing_ok=True)
+    annotate_steps(rec, mon.samples)
     rec.update(
         wall_s=round(time.time() - t0, 1),
         rc=rc,
         timed_out=timed_out,
-        device_used_peak_gib=mem.peak,
+        device_used_peak_gib=mon.peak,
         device_used_after_gib=used_after,
+        device_timeline=mon.samples,
         started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
     )
     if timed_out or rc != 0:
@@ -439,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             if phase == "build":
                 return 1
         if phase != "build":
+            print("\n".join(step_lines(phase, rec)), flush=True)
             print_summary(write_phase(args, phase, rec))
     return rc
 

@@ -79,6 +79,7 @@ def loop_phase(args, model_dir: Path, partial: Path) -> dict:
             step_flops(arch, lens) / sum(lens) * m["perf/actor_train_tok_per_s"], 1.0, args.peak_flops
         )
         row["bench/at_s"] = round(time.time() - t0, 1)
+        row["bench/end_epoch"] = time.time()  # gpu_monitor.annotate_steps finds the rollout's samples from it
         rec["steps"].append(row)
         partial.write_text(json.dumps(rec, default=str))  # survives a watchdog kill during a later step
         print(
@@ -149,7 +150,7 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
             for i in range(len(batch))
         ]
         llm.reset_prefix_cache()  # as the loop does at every step
-        t = time.perf_counter()
+        t, start_epoch = time.perf_counter(), time.time()
         outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         dt = time.perf_counter() - t
         lens = [len(c.token_ids) for o in outs for c in o.outputs]
@@ -160,6 +161,8 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
                 "tok_s": sum(lens) / dt,
                 "response_len_mean": statistics.fmean(lens),
                 "samples": len(lens),
+                "start_epoch": start_epoch,
+                "end_epoch": time.time(),
             }
         )
         partial.write_text(json.dumps(rec, default=str))

@@ -267,3 +267,49 @@ def test_the_sleep_mode_diagnostic_is_compared_with_plain_raw_vllm_only(rp):
     assert s["raw_vllm_sleep_mode_tok_s"] == 90.0 and s["ratios"]["raw_vllm_sleep_mode_vs_raw_vllm"] == 0.9
     assert s["raw_vllm_tok_s"] == 100.0 and s["ratios"]["rollout_vs_raw_vllm"] == 0.8  # the check keeps plain vLLM
     assert rp.summarize(_doc(loop, [], []))["raw_vllm_sleep_mode_tok_s"] is None
+
+
+@pytest.fixture(scope="module")
+def mon():
+    """The device/host monitor's windowing (its sampling needs nvidia-smi and a process tree)."""
+    return load_bench("gpu_monitor")
+
+
+def sample(t, sm, procs=None):
+    return {
+        "t": t,
+        "used_gib": 70.0,
+        "sm_mhz": sm,
+        "mem_mhz": 3201.0,
+        "power_w": 400.0,
+        "temp_c": 50.0,
+        "util_pct": 100.0,
+        "throttle": "0x0" if sm > 1900 else "0x4",
+        "host_cpu_pct": 10.0,
+        "procs": procs or {},
+    }
+
+
+def test_window_stats_takes_only_the_step_samples(mon):
+    samples = [
+        sample(t, 1980.0 if t < 10 else 1500.0, {"VLLM::EngineCore": 100, "ray::Trainer": 30 * (t >= 10)})
+        for t in range(20)
+    ]
+    early, late = mon.window_stats(samples, 2, 8), mon.window_stats(samples, 12, 18)
+    assert (early["sm_mhz"], early["samples"], early["throttle"]) == (1980.0, 7, ["0x0"])
+    assert (late["sm_mhz"], late["throttle"]) == (1500.0, ["0x4"])
+    assert early["procs"] == {"VLLM::EngineCore": 100}
+    assert late["procs"] == {"VLLM::EngineCore": 100, "ray::Trainer": 30}
+    assert mon.window_stats(samples, 30, 40) is None
+
+
+def test_annotate_steps_finds_raw_and_loop_rollout_windows(mon):
+    samples = [sample(t, 1000.0 + t) for t in range(100)]
+    raw = {"steps": [{"start_epoch": 10, "end_epoch": 20}]}
+    # a loop step starts with its rollout: 50 s step ending at 90 -> rollout from 40 to 52
+    loop = {"steps": [{"bench/end_epoch": 90, "perf/step_time": 50, "perf/rollout_time": 12}, {"no": "times"}]}
+    mon.annotate_steps(raw, samples)
+    mon.annotate_steps(loop, samples)
+    assert raw["steps"][0]["bench/rollout_device"]["sm_mhz"] == 1015.0
+    assert loop["steps"][0]["bench/rollout_device"]["sm_mhz"] == 1046.0
+    assert "bench/rollout_device" not in loop["steps"][1]
