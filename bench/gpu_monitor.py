@@ -43,10 +43,11 @@ def gpu_sample() -> dict | None:
 
 
 def proc_label(p) -> str:
-    """Ray sets a worker's title to `ray::Actor.method`, vLLM its engine process's to `VLLM::EngineCore`."""
+    """`name:pid`; Ray sets a worker's title to `ray::Actor.method`."""
     try:
         cmd = p.cmdline()
-        return (cmd[0] if cmd and cmd[0].startswith(("ray::", "VLLM")) else p.name())[:40]
+        name = cmd[0] if cmd and cmd[0].startswith(("ray::", "VLLM")) else p.name()
+        return f"{name[:40]}:{p.pid}"  # the pid keeps two `python3` processes (a front end, its engine core) apart
     except Exception:  # gone between listing and reading
         return "?"
 

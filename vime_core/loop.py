@@ -277,7 +277,7 @@ def train_step(rollout_id: int, parts: LoopParts) -> None:
     t1 = time.perf_counter()
     trainer.onload_optimizer()  # colocated GPUs (train.offload_optimizer): optimizer state back from host memory
     metrics |= trainer.train(rollout_id, done_rollout.groups)
-    trainer.offload_optimizer()  # and to host memory again while vLLM wakes and generates
+    metrics |= trainer.offload_optimizer()  # and to host memory again while vLLM wakes and generates
     metrics["perf/train_time"] = time.perf_counter() - t1
     done = rollout_id + 1
     waited = done_rollout.wait_s + sched.before_push(done)

@@ -57,7 +57,7 @@ def offload_enabled(setting, engines_sleep: bool, platform: str) -> bool:
 
 
 def train_step_memory(train):
-    """Wraps `Trainer.train`: the step's peak GPU memory (phase `train`) and offload timings join its metrics on CUDA,
+    """Wraps `Trainer.train`: the step's peak GPU memory (phase `train`) and onload time join its metrics on CUDA,
     and an out-of-memory error becomes a MemoryBudgetError naming train.max_tokens_per_device."""
 
     @functools.wraps(train)
@@ -71,10 +71,7 @@ def train_step_memory(train):
         if self.device.type == "cuda":
             metrics["perf/trainer_peak_gib"] = self.peaks.last.get("train", 0.0)
             metrics["perf/trainer_logprobs_peak_gib"] = self.peaks.last.get("logprobs", 0.0)
-            # what the trainer still holds while vLLM generates (its bf16 weights: 3.3 GiB for Qwen3-1.7B on an H200)
-            metrics["perf/trainer_resident_after_offload_gib"] = self.peaks.last.get("offloaded", 0.0)
-            metrics["perf/optimizer_offload_time"] = self.offload_times["offload"]
-            metrics["perf/optimizer_onload_time"] = self.offload_times["onload"]
+            metrics["perf/optimizer_onload_time"] = self.onload_time  # before this step; the offload after it: loop.py
         return metrics
 
     return wrapper

@@ -62,10 +62,14 @@ class TrainerGroup:
     def info(self) -> list[dict]:
         return self.call_all("info")
 
-    def offload_optimizer(self) -> None:
-        """Colocated GPUs (train.offload_optimizer): optimizer state to host memory while vLLM generates."""
-        if getattr(self, "_offload", True):
-            self._offload = all(self.call_all("offload_optimizer"))
+    def offload_optimizer(self) -> dict[str, float]:
+        """Colocated GPUs (train.offload_optimizer): optimizer state to host memory while vLLM generates. Rank 0's
+        offload time and resident memory, {} when offload is off."""
+        if not getattr(self, "_offload", True):
+            return {}
+        results = self.call_all("offload_optimizer")
+        self._offload = all(r is not None for r in results)
+        return results[0] or {}
 
     def onload_optimizer(self) -> None:
         if getattr(self, "_offload", True):
