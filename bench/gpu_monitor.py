@@ -100,7 +100,11 @@ def window_stats(samples: list[dict], start: float, end: float) -> dict | None:
     rows = [s for s in samples if start <= s["t"] <= end]
     if not rows:
         return None
-    stats = {n: round(statistics.median(r[n] for r in rows), 1) for n in (*NAMES, "host_cpu_pct") if n in rows[0]}
+    stats = {}
+    for n in (*NAMES, "host_cpu_pct"):
+        vals = [r[n] for r in rows if n in r]  # a failed nvidia-smi call leaves a sample without the GPU fields
+        if vals:
+            stats[n] = round(statistics.median(vals), 1)
     stats["samples"] = len(rows)
     stats["throttle"] = sorted({r["throttle"] for r in rows if "throttle" in r})
     labels = {label for r in rows for label in r.get("procs", {})}

@@ -220,10 +220,7 @@ def test_colocated_engines_sleep_unless_cluster_engines_sleep_is_false(tmp_path,
     p = Placement(None, [0], [[0]], True, True, ["0"], cfg.cluster.engines_sleep)
     assert p.colocated_gpu and p.engines_sleep is sleep
     assert engine_specs(cfg, p, "cuda", "/m")[0][0].sleep_mode is sleep
-    assert (
-        offload_enabled(cfg.train.offload_optimizer, cfg.cluster.colocate and cfg.cluster.engines_sleep, "cuda")
-        is sleep
-    )
+    assert offload_enabled(cfg.train.offload_optimizer, cfg.cluster.sleeping_engines, "cuda") is sleep
     cpu = Placement(None, [0], [[0]], False, True, [""], True)
     assert not cpu.colocated_gpu and not cpu.engines_sleep
 

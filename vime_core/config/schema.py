@@ -304,6 +304,11 @@ class ClusterConfig(Section):
         Field(description="A custom Ray resource of which each vLLM engine bundle asks for 1 (see trainer_resource)."),
     ] = None
 
+    @property
+    def sleeping_engines(self) -> bool:
+        """Colocated engines sleep while the trainer works (on a GPU: Placement.engines_sleep checks the platform)."""
+        return self.colocate and self.engines_sleep
+
 
 class TrackingConfig(Section):
     enabled: Annotated[bool, FREE, Field(description="Log params, metrics and artifacts to MLflow.")] = True

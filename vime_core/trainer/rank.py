@@ -207,9 +207,7 @@ class Trainer(TrainStep, RankCheckpoint):
         self.peaks = PhasePeaks(self.device)
         self.offloader = HostOffload(self.optimizer, self.model, self.module, self.device)
         self.offload_enabled = offload_enabled(
-            self.cfg.train.offload_optimizer,
-            self.cfg.cluster.colocate and self.cfg.cluster.engines_sleep,
-            self.platform,
+            self.cfg.train.offload_optimizer, self.cfg.cluster.sleeping_engines, self.platform
         )
         self.onload_time = 0.0
 
