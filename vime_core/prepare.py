@@ -13,6 +13,7 @@ from typing import Any
 
 from vime_core.config import ConfigError, RunConfig
 from vime_core.data import DatasetError, PromptSet, check_labels, load_prompts
+from vime_core.fit import check_local_memory
 from vime_core.models import arch_from_hf_config, check_model_compat
 from vime_core.rewards import RewardModel, usable_labels
 from vime_core.sources import SourceError, dataset_path, resolve_model
@@ -48,7 +49,10 @@ def prepare(cfg: RunConfig, model_dir: Path | None = None, eval_only: bool = Fal
     model_dir = Path(model_dir) if model_dir else resolve_model(cfg.model.source, resolve_tracking_uri(cfg)).path
     hf_config = read_hf_config(model_dir)
     # unsupported architectures (GPT-2, ...) raise naming the field; then the layout against the model
-    check_model_compat(cfg, arch_from_hf_config(hf_config, where=model_dir))
+    arch = arch_from_hf_config(hf_config, where=model_dir)
+    check_model_compat(cfg, arch)
+    if not eval_only:
+        check_local_memory(cfg, arch, platform)  # a run that cannot fit is refused here, not by an OOM minutes in
     preflight(cfg, platform, model_dir, eval_only)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = (

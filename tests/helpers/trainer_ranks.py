@@ -182,3 +182,68 @@ def deferred_start(rank: int, world: int, port: int, model_dir: str) -> dict:
     before = {"model": hasattr(trainer, "module"), "process_group": dist.is_initialized()}
     first, again = trainer.start(), trainer.start()
     return {"before": before, "first": first, "again": again, "model": hasattr(trainer, "module")}
+
+
+def static_memory(rank: int, world: int, port: int, model_dir: str, overrides: list[str]) -> dict:
+    """The real Trainer after one training step: the bytes its parameters (policy and reference), gradients and
+    optimizer state take (measured by walking the tensors), beside vime_core.fit's estimate of the same."""
+    import torch
+
+    from vime_core.config import load_config
+    from vime_core.fit import trainer_static
+    from vime_core.models import Layout, spec_of
+    from vime_core.trainer import Trainer, split_steps_and_ranks
+
+    cfg = load_config(REPO_CONFIG, [f"train.num_devices={world}", "train.cpu_threads=1", *overrides])
+    trainer = Trainer(cfg, model_dir, rank, world, "127.0.0.1", port, "cpu")
+    samples = synthetic_samples(8, trainer.arch.vocab_size)
+    dp_rank = rank // cfg.train.model_parallel_size  # TP ranks of one DP group train the same samples
+    trainer.train(0, split_steps_and_ranks(samples, cfg.num_steps_per_rollout, cfg.train.data_parallel_size)[dp_rank])
+
+    def nbytes(ts) -> int:
+        return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+    params = list(trainer.module.parameters())
+    ref = list(trainer.ref_model.parameters()) if trainer.ref_model is not None else []
+    states = [t for st in trainer.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+    measured = nbytes(params) + nbytes(ref) + nbytes(p.grad for p in params) + nbytes(states)
+    counted = spec_of(trainer.arch).params_per_device(trainer.arch, Layout.of_config(cfg))
+    estimate = sum(trainer_static(cfg, counted, "cpu")[k] for k in ("weights", "grads", "optimizer_gpu"))
+    out = {"measured": measured, "estimate": estimate, "params": sum(p.numel() for p in params), "counted": counted}
+    trainer.shutdown()
+    return out
+
+
+def optimizer_run(rank: int, world: int, port: int, model_dir: str, overrides: list[str], rollouts: int) -> dict:
+    """The real Trainer on this machine's GPU (tests/test_optimizer_offload.py): `rollouts` training steps on fixed
+    synthetic samples, each followed by the between-phase offload and onload the loop does; returns the weights
+    (flattened, as a list), the Adam moments' totals and the per-step grad norms."""
+    import torch
+
+    from vime_core.config import load_config
+    from vime_core.trainer import Trainer, split_steps_and_ranks
+
+    cfg = load_config(REPO_CONFIG, [f"train.num_devices={world}", "cluster.platform=cuda", *overrides])
+    trainer = Trainer(cfg, model_dir, rank, world, "127.0.0.1", port, "cuda")
+    samples = synthetic_samples(8, trainer.arch.vocab_size)
+    start = torch.cat([p.detach().float().flatten().cpu() for p in trainer.module.parameters()])
+    norms = []
+    for r in range(rollouts):
+        steps = split_steps_and_ranks(samples, cfg.num_steps_per_rollout, cfg.train.data_parallel_size)[rank]
+        norms.append(trainer.train(r, steps)["train/grad_norm"])
+        trainer.offload_optimizer()
+        trainer.onload_optimizer()
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    states = [st for st in inner.state.values()]
+    weights = torch.cat([p.detach().float().flatten().cpu() for p in trainer.module.parameters()])
+    out = {
+        "weights": weights.tolist(),
+        "moved": float((weights - start).abs().max()),
+        "exp_avg": sum(float(st["exp_avg"].double().abs().sum()) for st in states),
+        "exp_avg_sq": sum(float(st["exp_avg_sq"].double().sum()) for st in states),
+        "grad_norms": norms,
+        "optimizer": type(inner).__name__,
+        "gpu_allocated_gib": torch.cuda.memory_allocated() / 2**30,
+    }
+    trainer.shutdown()
+    return out

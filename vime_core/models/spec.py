@@ -60,6 +60,9 @@ class ModelSpec(Protocol):
     def layout_problems(self, arch: Any, layout: Layout) -> list[str]:
         """Every way `layout` does not fit `arch`, each naming the setting and the fix; empty when it fits."""
 
+    def params_per_device(self, arch: Any, layout: Layout) -> int:
+        """Parameters one trainer rank holds at `layout` (the memory fit check, vime_core.fit)."""
+
     def mapping(self) -> ModuleType:
         """The HF <-> megatron weight mapping: hf_names, check_hf_names, check_shapes, hf_to_mcore,
         mcore_param_to_hf, local_view, shard_tp / unshard_tp, expert_index / with_expert_index."""

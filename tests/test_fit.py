@@ -1,0 +1,91 @@
+"""The memory fit check (vime_core.fit): the arithmetic against a real trainer's tensors, and the refusal of runs
+that cannot fit (Qwen3-8B on one H200 without the host-side optimizer) before any actor starts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from vime_core.config import ConfigError, load_config
+from vime_core.fit import GIB, MemoryFitError, check_memory_fit, memory_plan
+from vime_core.models import arch_from_hf_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG_8B = str(REPO / "configs" / "qwen3-8b-cuda-1gpu.yaml")
+H200 = 150_754_820_096  # torch's total_memory of an H200 (140.4 GiB)
+HOST = 128 * GIB
+
+
+def qwen3_8b():
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_scale_report import hf_config  # the public config.json values of Qwen/Qwen3-8B
+
+    return arch_from_hf_config(hf_config("8b"))
+
+
+def config_8b(*sets: str):
+    return load_config(CONFIG_8B, ["model.source=/tmp/qwen3-8b", *sets])
+
+
+def test_qwen3_8b_parameter_count_is_the_published_one():
+    plan = memory_plan(config_8b(), qwen3_8b(), H200, "cuda")
+    assert plan.params == pytest.approx(8.19e9, rel=2e-3)  # ENVIRONMENT.md: a random Qwen3-8B holds 8.19B
+
+
+def test_the_shipped_8b_config_fits_one_h200_and_its_host():
+    plan = check_memory_fit(config_8b(), qwen3_8b(), "cuda", H200, HOST)
+    assert plan.train < H200 and plan.rollout < H200
+    assert 85 * GIB < plan.host < 100 * GIB  # 16 bytes x 0.75 x 8.19B = 91.5 GiB on the host
+    assert plan.gib("optimizer_gpu") == pytest.approx(0.25 * 12 * 8.19e9 / GIB, rel=0.01)
+
+
+def test_8b_without_offload_is_refused_naming_the_numbers_and_the_knob():
+    cfg = config_8b("train.optimizer_cpu_offload=false", "checkpoint.save_optimizer=true")
+    with pytest.raises(MemoryFitError) as e:
+        check_memory_fit(cfg, qwen3_8b(), "cuda", H200, HOST)
+    msg = str(e.value)
+    assert "\n" not in msg and "train.optimizer_cpu_offload = true" in msg and "140.4 GiB" in msg
+    assert "optimizer state 91.5" in msg
+
+
+def test_host_memory_binds_at_full_offload_and_names_the_fraction():
+    cfg = config_8b("train.optimizer_offload_fraction=1.0")
+    with pytest.raises(MemoryFitError, match="train.optimizer_offload_fraction"):
+        check_memory_fit(cfg, qwen3_8b(), "cuda", H200, HOST)
+    check_memory_fit(cfg, qwen3_8b(), "cuda", H200, 256 * GIB)  # the same run on a larger host fits
+
+
+def test_vllm_share_and_resident_trainer_must_fit_while_generating():
+    cfg = config_8b("rollout.gpu_memory_utilization=0.9")
+    with pytest.raises(MemoryFitError, match="rollout.gpu_memory_utilization"):
+        check_memory_fit(cfg, qwen3_8b(), "cuda", H200, HOST)
+
+
+def test_sleep_level_one_keeps_the_engine_weights_on_the_host():
+    one = memory_plan(config_8b("cluster.engine_sleep_level=1"), qwen3_8b(), H200, "cuda")
+    two = memory_plan(config_8b(), qwen3_8b(), H200, "cuda")
+    assert one.host - two.host == pytest.approx(2 * 8.19e9, rel=0.01)
+
+
+def test_host_offload_needs_a_gpu_and_no_optimizer_checkpoint():
+    with pytest.raises(ConfigError, match="train.optimizer_cpu_offload"):
+        config_8b("cluster.platform=cpu")
+    with pytest.raises(ConfigError, match="checkpoint.save_optimizer = false"):
+        config_8b("checkpoint.save_optimizer=true")
+
+
+@pytest.mark.parametrize(
+    "model,world,sets",
+    [("dense", 1, ["grpo.kl_loss_coef=0.05"]), ("moe", 1, []), ("dense", 2, ["train.tensor_parallel_size=2"])],
+)
+def test_static_estimate_is_within_10_percent_of_the_real_trainer(model, world, sets, dense_model_dir, moe_model_dir):
+    """The real Trainer on CPU (torch AdamW, fp32) after one step: parameters, gradients and Adam state as built by
+    megatron-core, against the estimate for the same config (two model sizes, TP = 2, a reference model)."""
+    from tests.helpers.trainer_ranks import spawn
+
+    model_dir = dense_model_dir if model == "dense" else moe_model_dir
+    for r in spawn("static_memory", world, str(model_dir), ["rollout.n_samples_per_prompt=4", *sets]):
+        assert r["counted"] == r["params"]  # the per-rank parameter count is exact
+        assert r["estimate"] == pytest.approx(r["measured"], rel=0.10)
