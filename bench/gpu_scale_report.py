@@ -45,11 +45,18 @@ SHAPES = {  # public config.json values of Qwen/Qwen3-1.7B, -4B, -8B; `tiny` is 
         max_position_embeddings=2048,
     ),
 }
-DONE_WHEN = (  # issue 13, for the 1.7B shapes: (label, key, op, other key or constant, factor)
+DONE_WHEN = (  # the 1.7B and 4B shapes: (label, key, op, other key or constant, factor)
     ("trainer_tok_s >= 1.2 x hf_sdpa_tok_s", "trainer_tok_s", ">=", "hf_sdpa_tok_s", 1.2),
     ("trainer_peak_gib <= 60", "trainer_peak_gib", "<=", None, 60.0),
     ("rollout_tok_per_gpu_s >= 0.95 x raw_vllm_tok_s", "rollout_tok_per_gpu_s", ">=", "raw_vllm_tok_s", 0.95),
     ("sync_s <= 0.5", "sync_s", "<=", None, 0.5),
+)
+DONE_WHEN_8B = (  # Qwen3-8B on one GPU against vime's run on two MI355X (~4,100 tok/s/GPU)
+    ("rollout_tok_per_gpu_s >= 4100 (vime, 2 x MI355X)", "rollout_tok_per_gpu_s", ">=", None, 4100.0),
+    ("rollout_tok_per_gpu_s >= 0.95 x raw_vllm_tok_s", "rollout_tok_per_gpu_s", ">=", "raw_vllm_tok_s", 0.95),
+    ("trainer_tok_s >= 1.0 x hf_sdpa_tok_s", "trainer_tok_s", ">=", "hf_sdpa_tok_s", 1.0),
+    ("host_peak_gib < 110", "host_peak_gib", "<=", None, 110.0),
+    ("sync_s <= 1.5", "sync_s", "<=", None, 1.5),
 )
 
 
@@ -96,6 +103,14 @@ def step_flops(c: dict, seq_lens: list[float], passes: int = 4) -> float:
     backward = 2 passes; 4 = no-grad forward for the old log-probs + forward/backward. Recompute is not counted."""
     attn = 2 * c["num_hidden_layers"] * c["num_attention_heads"] * c["head_dim"]
     return passes * sum(2 * matmul_params(c) * s + attn * s * s for s in seq_lens)
+
+
+def loop_passes(old_logprobs: str, steps_per_rollout: int) -> float:
+    """Passes per trained sample that the loop's trainer runs: forward + backward (3), plus the no-grad old-log-prob
+    forward over the samples it covers: with train.old_logprobs auto, all but the first optimizer step's."""
+    if old_logprobs == "forward":
+        return 4.0
+    return 3.0 + (steps_per_rollout - 1) / steps_per_rollout
 
 
 def mfu(flops: float, seconds: float, peak: float = H200_BF16_PEAK) -> float | None:
@@ -147,7 +162,14 @@ def summarize(doc: dict) -> dict:
         "step_s": median_after_first(col("loop", "perf/step_time")),
         "logprob_abs_diff": median_after_first(col("loop", "train/train_rollout_logprob_abs_diff")),
         "mfu": median_after_first(col("loop", "bench/mfu")),
+        "host_peak_gib": ph.get("loop", {}).get("host_used_peak_gib"),  # the machine's, psutil `used`, whole phase
+        "optimizer_step_s": median_after_first(col("loop", "perf/optimizer_step_time")),
+        "offload_s": median_after_first(col("loop", "perf/optimizer_offload_time")),
+        "onload_s": median_after_first(col("loop", "perf/optimizer_onload_time")),
+        "rollout_s": median_after_first(col("loop", "perf/rollout_time")),
+        "train_s": median_after_first(col("loop", "perf/train_time")),
         "hf_sdpa_mfu": median_after_first(col("hf", "mfu")),
+        "hf_sdpa_oom": ph.get("hf", {}).get("oom"),  # the baseline's out-of-memory error where it does not fit
         # the same work in each phase: response lengths (random weights rarely sample EOS) and trained tokens
         "loop_response_len_mean": median_after_first(col("loop", "rollout/response_len/mean")),
         "raw_vllm_response_len_mean": median_after_first(col("vllm", "response_len_mean")),
@@ -171,7 +193,7 @@ def summarize(doc: dict) -> dict:
         "trainer_peak_vs_hf_sdpa_peak": div("trainer_peak_gib", "hf_sdpa_peak_gib"),
     }
     s["done_when"] = {}
-    for label, a, op, b, f in DONE_WHEN:
+    for label, a, op, b, f in DONE_WHEN_8B if doc.get("shape") == "8b" else DONE_WHEN:
         x, y = s.get(a), (s.get(b) if b else 1.0)
         s["done_when"][label] = None if x is None or y is None else (x >= f * y if op == ">=" else x <= f * y)
     return s
@@ -205,7 +227,14 @@ SUMMARY_KEYS = {
     "step_s",
     "logprob_abs_diff",
     "mfu",
+    "host_peak_gib",
+    "optimizer_step_s",
+    "offload_s",
+    "onload_s",
+    "rollout_s",
+    "train_s",
     "hf_sdpa_mfu",
+    "hf_sdpa_oom",
     "loop_response_len_mean",
     "raw_vllm_response_len_mean",
     "loop_train_tokens",

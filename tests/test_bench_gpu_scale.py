@@ -313,3 +313,34 @@ def test_annotate_steps_finds_raw_and_loop_rollout_windows(mon):
     assert raw["steps"][0]["bench/rollout_device"]["sm_mhz"] == 1015.0
     assert loop["steps"][0]["bench/rollout_device"]["sm_mhz"] == 1046.0
     assert "bench/rollout_device" not in loop["steps"][1]
+
+
+def test_mfu_counts_only_the_passes_the_loop_ran(rp):
+    assert rp.loop_passes("auto", 1) == 3.0  # one optimizer step per rollout: its own forward gives the old log-probs
+    assert rp.loop_passes("auto", 4) == pytest.approx(3.75)  # the no-grad pass covers the later 3 of 4 steps
+    assert rp.loop_passes("forward", 1) == 4.0
+    arch = {**rp.QWEN3, **rp.SHAPES["1.7b"]}
+    assert rp.step_flops(arch, [1000.0], 3) / rp.step_flops(arch, [1000.0], 4) == pytest.approx(0.75)
+
+
+def test_8b_rows_are_checked_against_vime_and_the_host_budget(rp):
+    loop = [
+        {
+            "perf/tokens_per_gpu_per_sec": 7000.0,
+            "perf/actor_train_tok_per_s": 6000.0,
+            "perf/update_weights_time": 1.0,
+            "perf/optimizer_step_time": 8.0,
+            "perf/optimizer_offload_time": 0.5,
+        }
+    ] * 3
+    doc = {**_doc(loop, [{"tok_s": 7200.0}] * 3, []), "shape": "8b"}
+    doc["phases"]["loop"]["host_used_peak_gib"] = 104.0
+    s = rp.summarize(doc)
+    assert s["optimizer_step_s"] == 8.0 and s["offload_s"] == 0.5 and s["host_peak_gib"] == 104.0
+    assert s["done_when"] == {
+        "rollout_tok_per_gpu_s >= 4100 (vime, 2 x MI355X)": True,
+        "rollout_tok_per_gpu_s >= 0.95 x raw_vllm_tok_s": True,
+        "trainer_tok_s >= 1.0 x hf_sdpa_tok_s": None,  # the HF baseline did not run (or did not fit)
+        "host_peak_gib < 110": True,
+        "sync_s <= 1.5": True,
+    }

@@ -239,7 +239,25 @@ def test_weight_sync_wakes_engines_around_the_registered_transport_then_drops_th
     sync.push()
     assert [c[0] for c in calls] == ["sleep", "wake_up", "transport push", "wake_up", "reset_prefix_cache"]
     assert calls[1][1] == ["weights"] and calls[3][1] == ["kv_cache"] and calls[2][1] == 2 * 2**20
+    assert calls[0][1] == 1  # cluster.engine_sleep_level's default: vLLM keeps a host copy of the weights
     assert all(c[-2:] == (7, "sync.timeout_s") for c in calls if c[0] != "transport push")
     calls.clear()
     sync.push()  # awake now: no wake-up, still a cache reset
     assert [c[0] for c in calls] == ["transport push", "reset_prefix_cache"]
+
+
+def test_weight_sync_sleep_level_two_drops_the_weights_that_the_push_resends(monkeypatch):
+    calls: list = []
+
+    class Recorded(Transport):
+        name = "recorded"
+
+        def push(self):
+            calls.append(("transport push",))
+
+    monkeypatch.setitem(TRANSPORTS, "recorded", Recorded)
+    sync = WeightSync(None, FakeRouter(calls), "recorded", engines_sleep=True, timeout_s=7, sleep_level=2)
+    sync.release_engines()
+    sync.push()
+    assert calls[0][:2] == ("sleep", 2)
+    assert [c[0] for c in calls] == ["sleep", "wake_up", "transport push", "wake_up", "reset_prefix_cache"]

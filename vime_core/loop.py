@@ -190,6 +190,7 @@ def train_loop(
             cfg.sync.bucket_size_mb,
             engines_sleep=placement.engines_sleep,
             timeout_s=cfg.sync.timeout_s,
+            sleep_level=cfg.cluster.engine_sleep_level,
         )
         buffer = DataBuffer(p.prompts, cfg.seed, cfg.data.shuffle)
         carried = []

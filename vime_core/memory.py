@@ -102,11 +102,16 @@ class PhasePeaks:
 
 
 def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
-    """The torch optimizers inside megatron's (chained / mixed-precision / distributed) optimizer, or `optimizer`."""
+    """The torch optimizers inside megatron's (chained / mixed-precision / distributed) optimizer, or `optimizer`.
+    Leaves out megatron's host-side optimizer (train.optimizer_cpu_offload): its groups hold views of the model's own
+    weights, its host part is on the host already, and its GPU part stays there on purpose (host memory, not the
+    GPU, is what binds such a run: moving it would add 12 bytes per GPU-side parameter to the host peak)."""
     out = []
     for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         inner = getattr(o, "optimizer", None)
-        out.append(inner if isinstance(inner, torch.optim.Optimizer) else o)
+        inner = inner if isinstance(inner, torch.optim.Optimizer) else o
+        if type(inner).__name__ != "HybridDeviceOptimizer":
+            out.append(inner)
     return out
 
 

@@ -65,6 +65,17 @@ def cross_field_problems(c: RunConfig) -> Iterator[str]:
             "implemented); set checkpoint.save_optimizer = false (a resume then restarts Adam's moments) or "
             "train.distributed_optimizer = false"
         )
+    if t.optimizer_cpu_offload and (t.optimizer == "adamw" or c.cluster.platform == "cpu"):
+        yield (
+            "train.optimizer_cpu_offload runs megatron's optimizer, which needs a GPU platform; on CPU every tensor "
+            "is in host memory already: set train.optimizer_cpu_offload = false"
+        )
+    if t.optimizer_cpu_offload and c.checkpoint.save_optimizer:
+        yield (
+            "train.optimizer_cpu_offload = true cannot checkpoint its optimizer state yet (megatron's distributed "
+            "optimizer format is not implemented); set checkpoint.save_optimizer = false (a resume then restarts "
+            "Adam's moments)"
+        )
     if c.cluster.colocate and t.num_devices != c.rollout_devices:
         yield (
             f"cluster.colocate needs as many trainer devices as rollout devices: train.num_devices = {t.num_devices} but "

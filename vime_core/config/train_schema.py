@@ -106,6 +106,27 @@ class TrainConfig(Section):
             "no effect on CPU."
         ),
     ] = "auto"
+    optimizer_cpu_offload: Annotated[
+        bool,
+        FIXED,
+        Field(
+            description="Keep megatron's fp32 master weights, Adam moments and their gradient copies in pinned host "
+            "memory and run their Adam step on the host CPU (megatron-core's HybridDeviceOptimizer, through its "
+            "distributed optimizer): what lets Qwen3-8B train on one 141 GB GPU (configs/qwen3-8b-cuda-1gpu.yaml). "
+            "Host memory: 16 bytes per offloaded parameter. GPU platforms and train.optimizer megatron/auto only.",
+        ),
+    ] = False
+    optimizer_offload_fraction: Annotated[
+        float,
+        FIXED,
+        Field(
+            ge=0.0,
+            le=1.0,
+            description="With train.optimizer_cpu_offload: the share of the parameters whose optimizer state "
+            "lives on the host; the rest (12 bytes per parameter) stays on the GPU through both phases. Lower it "
+            "when host memory is what runs out (the fit check names both numbers).",
+        ),
+    ] = 1.0
     optimizer: Annotated[
         Literal["auto", "adamw", "megatron"],
         FIXED,
@@ -150,8 +171,9 @@ class TrainConfig(Section):
         FREE,
         Field(
             ge=1,
-            description="torch threads of the trainer on CPU. None: every core on-policy; with "
-            "rollout.max_staleness > 0 the cores are split with the engines.",
+            description="torch threads of the trainer on CPU, and of the host-side Adam step of "
+            "train.optimizer_cpu_offload on GPUs. None: every core on-policy (split between the trainer ranks "
+            "for the host-side step); with rollout.max_staleness > 0 the CPU cores are split with the engines.",
         ),
     ] = None
 

@@ -42,18 +42,20 @@ class WeightSync:
         bucket_size_mb: int = 512,
         engines_sleep: bool = False,
         timeout_s: float | None = None,
+        sleep_level: int = 1,
     ):
         self.trainer, self.router, self.strategy = trainer_group, router, strategy
         self.timeout_s = timeout_s  # sync.timeout_s, for each actor call of a push
         self.bucket_bytes = bucket_size_mb * 2**20
         self.engines_sleep = engines_sleep
+        self.sleep_level = sleep_level  # cluster.engine_sleep_level: 2 drops the weights, which push() re-sends
         self._asleep = False
         self.peers = Peers(trainer_group, router, timeout_s)
         self.transport = transport_class(strategy)(self.peers, self.bucket_bytes)
 
     def release_engines(self) -> None:
         if self.engines_sleep:
-            self.peers.engines("sleep", 1)
+            self.peers.engines("sleep", self.sleep_level)
             self._asleep = True
 
     def push(self) -> float:

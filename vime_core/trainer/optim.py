@@ -80,7 +80,17 @@ class MegatronOptimizer(OptimizerAdapter):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         t = cfg.train
-        distributed = t.distributed_optimizer and t.data_parallel_size > 1
+        offload = t.optimizer_cpu_offload
+        # megatron runs its host-side optimizer (HybridDeviceOptimizer) only inside the distributed optimizer, and
+        # only in its precision-aware mode: the GPU then keeps no fp32 master copy (HDO holds it on the host)
+        distributed = (t.distributed_optimizer and t.data_parallel_size > 1) or offload
+        if offload:
+            # megatron-core 0.16.1 hands fp32 parameters (the torch-norm fallbacks without Apex/TE build fp32 norm
+            # weights) to HybridDeviceOptimizer as non-leaf views, which it refuses: keep every weight in the
+            # model's dtype, as HF and vLLM do
+            for p in module.parameters():
+                if p.dtype != tf_config.params_dtype:
+                    p.data = p.data.to(tf_config.params_dtype)
         model = DistributedDataParallel(
             tf_config,
             DistributedDataParallelConfig(
@@ -88,22 +98,32 @@ class MegatronOptimizer(OptimizerAdapter):
             ),
             module=module,
         )
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=t.lr,
-                min_lr=t.min_lr,
-                weight_decay=t.weight_decay,
-                adam_beta1=t.adam_beta1,
-                adam_beta2=t.adam_beta2,
-                adam_eps=t.adam_eps,
-                clip_grad=t.clip_grad,
-                bf16=cfg.model.dtype == "bfloat16",
-                params_dtype=tf_config.params_dtype,
-                use_distributed_optimizer=distributed,
-            ),
-            [model],
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2,
+            adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad,
+            bf16=cfg.model.dtype == "bfloat16",
+            params_dtype=tf_config.params_dtype,
+            use_distributed_optimizer=distributed,
+            optimizer_cpu_offload=offload,
+            optimizer_offload_fraction=t.optimizer_offload_fraction if offload else 0.0,
+            overlap_cpu_optimizer_d2h_h2d=offload,  # each parameter's host Adam starts when its grads land
         )
+        if offload:
+            # the precision-aware mode, set after __post_init__: there it asks Transformer Engine's version, which
+            # raises without TE (megatron-core 0.16.1). These are the values __post_init__ sets for a CPU-offloaded
+            # optimizer; master and moments stay fp32 (main_params_dtype / exp_avg_dtype keep their defaults).
+            opt_config.use_precision_aware_optimizer = True
+            opt_config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 = True
+            opt_config.store_param_remainders = False
+        optimizer = get_megatron_optimizer(opt_config, [model])
+        if offload:
+            release_cached_host_memory()
         super().__init__(optimizer, model)
         self.weight_decay, self.device = t.weight_decay, device
 
@@ -151,3 +171,11 @@ def all_ranks_ok(flag: bool, device: torch.device) -> bool:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t) == 0.0
+
+
+def release_cached_host_memory() -> None:
+    """HybridDeviceOptimizer stages each parameter through a pinned bf16 copy that it drops at once; torch's pinned
+    allocator keeps such blocks cached (2 bytes per offloaded parameter: 15 GiB for Qwen3-8B) unless told."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available():
+        empty()

@@ -84,6 +84,9 @@ class Trainer(TrainStep, RankCheckpoint):
         else:
             self.device = torch.device("cuda", 0)  # the actor sees exactly its own GPU (cluster._actor_env)
             torch.cuda.set_device(self.device)
+            if cfg.train.optimizer_cpu_offload:
+                # the host-side Adam step is the only CPU work while vLLM sleeps; Ray leaves the actor 1 thread
+                torch.set_num_threads(cfg.train.cpu_threads or max(1, (os.cpu_count() or 1) // world_size))
 
     # -- setup --------------------------------------------------------------------------------------------------------
     def _init_parallel(self, master_addr: str, master_port: int) -> None:

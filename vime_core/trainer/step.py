@@ -189,9 +189,12 @@ class TrainStep:
         values = host_floats([*(sums[k] for k in METRIC_KEYS), trained, loss_share])
         *totals, all_trained, loss = self._sum_over_dp_many(values)
         lr = lr_at(self.step, self.cfg)
+        t_opt = time.perf_counter()  # host_floats synchronized above: this times the optimizer's own work
         grad_norm = self.optim.apply(lr, loss, f"optimizer step {self.step}")
+        opt_time = time.perf_counter() - t_opt
         self.step += 1
         out = step_train_metrics(dict(zip(METRIC_KEYS, totals)), int(all_trained), loss, g)
+        out["perf/optimizer_step_time"] = opt_time
         out["train/grad_norm"] = grad_norm
         out["train/lr"] = lr
         return out, per_sample_means(diff_parts)
