@@ -37,11 +37,13 @@ def test_host_offloaded_optimizer_matches_the_resident_one(fraction, dense_model
         3,
     )[0]
     assert offload["optimizer"] == "HybridDeviceOptimizer" and resident["optimizer"] != offload["optimizer"]
-    w0, w1 = torch.tensor(resident["weights"]), torch.tensor(offload["weights"])
     assert resident["moved"] > 1e-4  # the steps changed the weights: equality below is not the initial state's
-    # both keep fp32 masters (GPU / host): the bf16 weights agree but for rare rounding flips of one bf16 step
-    assert float((w0 != w1).float().mean()) < 5e-3  # norms: bf16 here, fp32 in the resident
-    assert float(((w0 - w1).abs() / w0.abs().clamp_min(1e-3)).max()) <= 2**-7
+    # in the order a divergence would show: the same first gradient (same model), the same moments, the same weights
+    assert offload["grad_norms"] == pytest.approx(resident["grad_norms"], rel=1e-4)
     assert offload["exp_avg"] == pytest.approx(resident["exp_avg"], rel=1e-4)
     assert offload["exp_avg_sq"] == pytest.approx(resident["exp_avg_sq"], rel=1e-4)
-    assert offload["grad_norms"] == pytest.approx(resident["grad_norms"], rel=1e-4)
+    w0, w1 = torch.tensor(resident["weights"]), torch.tensor(offload["weights"])
+    flips = float((w0 != w1).float().mean())
+    worst = float(((w0 - w1).abs() / w0.abs().clamp_min(1e-3)).max())
+    # both keep fp32 masters (GPU / host) and round them to bf16 alike: rare one-ulp flips from summation order only
+    assert flips < 5e-3 and worst <= 2**-7, (flips, worst)

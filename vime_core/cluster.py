@@ -18,7 +18,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from vime_core.config import RunConfig
 from vime_core.errors import ClusterError
@@ -478,7 +478,13 @@ def create_trainers(
     return actors
 
 
-def wait_ready(trainers: list[Any], engines: list[Any], timeout_s: float | None = None, engines_first: bool = False):
+def wait_ready(
+    trainers: list[Any],
+    engines: list[Any],
+    timeout_s: float | None = None,
+    engines_first: bool = False,
+    before_trainers: Callable[[], Any] | None = None,
+):
     """Wait for trainers and engines to start (concurrently); a failure names the actor that failed.
 
     `engines_first` (colocated GPUs, `Placement.colocated_gpu`; the trainers were made with `defer_start`): the
@@ -487,9 +493,13 @@ def wait_ready(trainers: list[Any], engines: list[Any], timeout_s: float | None 
     (Qwen3-1.7B: weights, fp32 main params and grads) on the same GPU meanwhile is charged to the engine
     (vllm-project/vllm#55827): a smaller cache, samples preempted. slime, too, creates its rollout engines before its
     training actors. Costs the trainers' GPU setup on top of the engines' start; their processes and imports still
-    overlap it."""
+    overlap it. `before_trainers` runs between the two (sleeping engines: put them to sleep, so that the trainers
+    build their state beside the engines' asleep footprint, not beside their whole share: Qwen3-8B's 30 GiB gradient
+    buffer did not fit beside an awake 84 GiB engine on one H200)."""
     engine_refs = {e.ready.remote(): f"vLLM engine {i}" for i, e in enumerate(engines)}
     if engines_first:
         wait_started(engine_refs, timeout_s)
         engine_refs = {}
+        if before_trainers is not None:
+            before_trainers()
     wait_started({a.start.remote(): f"trainer rank {i}" for i, a in enumerate(trainers)} | engine_refs, timeout_s)

@@ -176,13 +176,6 @@ def train_loop(
             cfg,
         )
         router = RolloutRouter(create_engines(cfg, placement, p.platform, str(p.model_dir)), cfg.rollout.timeout_s)
-        # colocated GPUs: the trainers allocate only once the engines have sized their KV caches
-        wait_ready(
-            trainer.actors, router.engines, max(cfg.rollout.timeout_s, cfg.train.timeout_s), placement.colocated_gpu
-        )
-        log.info("trainer and engines ready in %.1fs", time.perf_counter() - t_start)
-        if kv_warning := kv_cache_shortfall(cfg, router.call_all("info"), p.platform):
-            log.warning(kv_warning)
         sync = WeightSync(
             trainer,
             router,
@@ -192,14 +185,28 @@ def train_loop(
             timeout_s=cfg.sync.timeout_s,
             sleep_level=cfg.cluster.engine_sleep_level,
         )
+        # colocated GPUs: the trainers allocate only once the engines have sized their KV caches and gone to sleep
+        wait_ready(
+            trainer.actors,
+            router.engines,
+            max(cfg.rollout.timeout_s, cfg.train.timeout_s),
+            placement.colocated_gpu,
+            before_trainers=sync.release_engines,
+        )
+        log.info("trainer and engines ready in %.1fs", time.perf_counter() - t_start)
+        if kv_warning := kv_cache_shortfall(cfg, router.call_all("info"), p.platform):
+            log.warning(kv_warning)
         buffer = DataBuffer(p.prompts, cfg.seed, cfg.data.shuffle)
         carried = []
         if state:
             trainer.load_checkpoint(str(resume_dir))
             buffer.load_state_dict(state["data_buffer"])
             carried = read_inflight(resume_dir, state)  # an async run's rollouts in flight at the save
-        if state or init_checkpoint:
-            sync.push()  # the engines started from the HF weights
+        # colocated GPUs: the first rollout, like every later one, runs beside only what the trainer keeps between
+        # steps (Qwen3-8B on one H200: its 30 GiB gradient buffer and the engine's awake share do not fit together)
+        trainer.offload_optimizer()
+        if state or init_checkpoint or sync.asleep:
+            sync.push()  # the engines started from the HF weights (or slept them away: sleep level 2)
         sched = RolloutScheduler(
             partial(rollout_step, cfg=cfg, buffer=buffer, router=router, p=p),
             cfg.rollout.max_staleness,

@@ -173,7 +173,7 @@ def build_gpt(arch: Qwen3Arch, config, attention: str = "sdpa", lean_norm: bool 
         ):
             if getattr(owner, name) is not None and getattr(getattr(owner, name), "__name__", "") == "WrappedTorchNorm":
                 setattr(owner, name, LeanRMSNorm)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=arch.vocab_size,
@@ -185,6 +185,13 @@ def build_gpt(arch: Qwen3Arch, config, attention: str = "sdpa", lean_norm: bool 
         rotary_percent=1.0,
         rotary_base=int(arch.rope_theta),
     )
+    # megatron's torch-norm fallback (no Apex/TE) builds the final norm in fp32 whatever params_dtype says: keep every
+    # weight in the model's dtype, as HF and vLLM hold it (and megatron-core 0.16.1's host-side optimizer refuses a
+    # non-leaf fp32 view of it: train.optimizer_cpu_offload)
+    for p in model.parameters():
+        if p.dtype != config.params_dtype:
+            p.data = p.data.to(config.params_dtype)
+    return model
 
 
 def _rms_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,6 +70,12 @@ def cross_field_problems(c: RunConfig) -> Iterator[str]:
             "train.optimizer_cpu_offload runs megatron's optimizer, which needs a GPU platform; on CPU every tensor "
             "is in host memory already: set train.optimizer_cpu_offload = false"
         )
+    if t.optimizer_cpu_offload and c.model.dtype != "bfloat16":
+        yield (
+            f"train.optimizer_cpu_offload keeps fp32 master weights for a bfloat16 model; model.dtype = "
+            f"{c.model.dtype} is not supported (megatron-core 0.16.1 cannot offload fp32 or fp16 weights): set "
+            "model.dtype = bfloat16 or train.optimizer_cpu_offload = false"
+        )
     if t.optimizer_cpu_offload and c.checkpoint.save_optimizer:
         yield (
             "train.optimizer_cpu_offload = true cannot checkpoint its optimizer state yet (megatron's distributed "

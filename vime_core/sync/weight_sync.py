@@ -53,6 +53,11 @@ class WeightSync:
         self.peers = Peers(trainer_group, router, timeout_s)
         self.transport = transport_class(strategy)(self.peers, self.bucket_bytes)
 
+    @property
+    def asleep(self) -> bool:
+        """The engines sleep (release_engines) until the next push wakes them."""
+        return self._asleep
+
     def release_engines(self) -> None:
         if self.engines_sleep:
             self.peers.engines("sleep", self.sleep_level)

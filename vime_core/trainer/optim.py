@@ -84,13 +84,6 @@ class MegatronOptimizer(OptimizerAdapter):
         # megatron runs its host-side optimizer (HybridDeviceOptimizer) only inside the distributed optimizer, and
         # only in its precision-aware mode: the GPU then keeps no fp32 master copy (HDO holds it on the host)
         distributed = (t.distributed_optimizer and t.data_parallel_size > 1) or offload
-        if offload:
-            # megatron-core 0.16.1 hands fp32 parameters (the torch-norm fallbacks without Apex/TE build fp32 norm
-            # weights) to HybridDeviceOptimizer as non-leaf views, which it refuses: keep every weight in the
-            # model's dtype, as HF and vLLM do
-            for p in module.parameters():
-                if p.dtype != tf_config.params_dtype:
-                    p.data = p.data.to(tf_config.params_dtype)
         model = DistributedDataParallel(
             tf_config,
             DistributedDataParallelConfig(
