@@ -12,8 +12,11 @@ The rule, per device:
 - colocated, the device holds in turn (a) the trainer training beside vLLM asleep (or awake, cluster.engines_sleep
   false) and (b) vLLM's share (rollout.gpu_memory_utilization of the device) beside what the trainer keeps while
   vLLM generates (its weights, plus its optimizer state unless train.offload_optimizer moves it to the host);
-- the host holds the offloaded optimizer state of every trainer rank on the node and, at sleep level 1, each
-  engine's weights; HOST_RESERVE_GIB stays for the processes themselves (vLLM, Ray, Python, CUDA).
+- the host holds the offloaded optimizer state of every trainer rank on the node, at sleep level 1 each engine's
+  weights, and while a checkpoint is saved a copy of every rank's weights (megatron's torch_dist writer stages them
+  in host memory before it writes); HOST_RESERVE_GIB stays for the processes themselves (vLLM, Ray, Python, CUDA),
+  and the whole must stay under Ray's memory monitor, which kills the largest worker above RAY_MEMORY_THRESHOLD of
+  the host (Qwen3-8B on one H200 at 75% offload: the trainer was killed at 114 GB while saving).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from vime_core.models import Layout, spec_of
 GIB = 2**30
 CONTEXT_GIB = 1.0  # CUDA context and workspaces of one process
 ASLEEP_GIB = 2.0  # what a sleeping vLLM engine keeps on its device (CUDA graphs, context)
-HOST_RESERVE_GIB = 16.0  # host memory of the processes: vLLM, Ray, the trainer's own Python and CUDA libraries
+HOST_RESERVE_GIB = 14.0  # the processes' own: vLLM, Ray, Python, CUDA (Qwen3-8B run: 121 GiB used - 107 counted)
+RAY_MEMORY_THRESHOLD = 0.95  # Ray's default memory_usage_threshold: above it Ray kills a worker
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -108,8 +112,16 @@ def memory_plan(cfg: RunConfig, arch: Any, device_bytes: float, platform: str) -
     engine_weights = 0.0
     if sleeping and c.engine_sleep_level == 1:
         engine_weights = DTYPE_BYTES[cfg.model.engine_dtype] * params * t.model_parallel_size * cfg.rollout.num_engines
-    host = ranks * (static["optimizer_host"] + moved) + engine_weights
-    parts = {**static, "activations": acts, "vllm": vllm, "moved_to_host": moved, "engine_weights_host": engine_weights}
+    staging = ranks * DTYPE_BYTES[cfg.model.dtype] * params  # a checkpoint save's host copy of the weights
+    host = ranks * (static["optimizer_host"] + moved) + engine_weights + staging
+    parts = {
+        **static,
+        "activations": acts,
+        "vllm": vllm,
+        "moved_to_host": moved,
+        "engine_weights_host": engine_weights,
+        "checkpoint_staging": staging,
+    }
     return MemoryPlan(params, train, rollout, host, parts)
 
 
@@ -137,11 +149,13 @@ def fit_problems(plan: MemoryPlan, device_bytes: float, host_bytes: float | None
             f"exceed the device's {dev:.1f} GiB: lower rollout.gpu_memory_utilization or set "
             f"train.offload_optimizer = true"
         )
-    if host_bytes is not None and p.host > host_bytes - HOST_RESERVE_GIB * GIB:
+    if host_bytes is not None and p.host > host_bytes * RAY_MEMORY_THRESHOLD - HOST_RESERVE_GIB * GIB:
         out.append(
-            f"host memory: {p.host / GIB:.1f} GiB of offloaded optimizer state and engine weights, with "
-            f"{HOST_RESERVE_GIB:.0f} GiB for the processes, exceed this machine's {host_bytes / GIB:.1f} GiB: lower "
-            f"train.optimizer_offload_fraction (the rest stays on the GPU), or set cluster.engine_sleep_level = 2"
+            f"host memory: {p.host / GIB:.1f} GiB of offloaded optimizer state, engine weights and a checkpoint's "
+            f"staging copy ({p.gib('checkpoint_staging'):.1f}), with {HOST_RESERVE_GIB:.0f} GiB for the processes, "
+            f"exceed {RAY_MEMORY_THRESHOLD:.0%} of this machine's {host_bytes / GIB:.1f} GiB (Ray's memory monitor "
+            f"kills a worker above it): lower train.optimizer_offload_fraction (the rest stays on the GPU)"
+            + (", or set cluster.engine_sleep_level = 2" if cfg.cluster.engine_sleep_level == 1 else "")
         )
     return out
 
