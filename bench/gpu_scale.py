@@ -207,6 +207,7 @@ def run_child(args, phase: str, timeout: float) -> dict:
         "--hf-micro-batch-tokens",
         str(args.hf_micro_batch_tokens),
         *[x for s in args.set for x in ("--set", s)],
+        *(["--config", str(Path(args.config).resolve())] if args.config else []),
         *(["--vllm-no-seed"] if args.vllm_no_seed else []),
         "--child",
         phase,
@@ -369,6 +370,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         help="loop config override section.field=value "
         "(repeatable; fields this RunConfig lacks are skipped with a note)",
+    )
+    p.add_argument(
+        "--config",
+        help="base config file of the loop phase (e.g. configs/qwen3-8b-cuda-1gpu.yaml); the bench's own settings "
+        "(model, data, batch shape, no tracking or evaluation) and --set go on top",
     )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument(

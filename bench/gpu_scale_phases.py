@@ -57,7 +57,7 @@ def bench_config(args, model_dir: Path, run_dir: Path):
     kept, dropped = filter_overrides(loop_overrides(args, model_dir, run_dir))
     for d in dropped:
         print(f"[gpu_scale] skipped override {d}: no such field in this RunConfig", flush=True)
-    return load_config(None, kept), kept, dropped
+    return load_config(args.config, kept), kept, dropped
 
 
 def loop_phase(args, model_dir: Path, partial: Path) -> dict:
