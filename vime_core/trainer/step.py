@@ -67,15 +67,18 @@ class TrainStep:
             start += len(s.tokens)
         cols_t = to_device(cols, torch.long, self.device)
         picked = hidden.squeeze(1).index_select(0, cols_t)
-        # logits / temperature: vLLM's processed log-probs
+        # logits / temperature, softmax over the tokens top-k / top-p kept: vLLM's processed log-probs
+        r = self.cfg.rollout
         logp, ent = chunked_logprobs(
             picked,
             mm.output_weight(gpt),
             ids.index_select(0, cols_t + 1),
-            self.cfg.rollout.temperature,
+            r.temperature,
             with_entropy,
             self.cfg.train.logprob_chunk_tokens,
             keep_logits=self.cfg.train.logprob_keep_logits,  # only where backward will run
+            top_k=r.top_k,
+            top_p=r.top_p,
         )
         return logp, ent, to_device(sample_ids, torch.long, self.device)
 
