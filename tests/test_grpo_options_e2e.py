@@ -94,3 +94,24 @@ def test_top_p_and_top_k_give_tis_weights_of_one_at_zero_lag(tmp_path, dense_mod
         assert r["train/tis"] == pytest.approx(1.0, abs=1e-5), r["train/tis"]
         assert r["train/tis_clipfrac"] == 0.0
         assert r["train/train_rollout_logprob_abs_diff"] < 1e-5, r["train/train_rollout_logprob_abs_diff"]
+
+
+def test_a_custom_generate_mask_of_the_wrong_length_stops_before_training(tmp_path, dense_model_dir):
+    """Issue 28, N3, on the real engine: a hook's loss_mask one value short of its response stops the run at the
+    first rollout, before any training step, with one line naming the hook and the sample (exit 2 in the CLIs);
+    unchecked, it raised a bare RuntimeError in the trainer (or, with lengths that cancel out, trained shifted)."""
+    from vime_core.cli import user_error_exit
+    from vime_core.loop import run
+    from vime_core.rollout import CustomGenerateError
+
+    hook = "tests.helpers.custom_generate:off_by_one_mask"
+    cfg = tiny_config(tmp_path, *SHORT, "rollout.num_rollout=1", f"rollout.custom_generate={hook}")
+    sink = MemorySink()
+    with pytest.raises(CustomGenerateError) as e:
+        run(cfg, sink)
+    assert not [r for r in sink.rows if "train/loss" in r]
+    cause = getattr(e.value, "cause", e.value)  # Ray's wrapper carries the engine's exception
+    msg = str(cause)
+    assert "\n" not in msg and msg.startswith(f"rollout.custom_generate = '{hook}' returned for sample 0 (prompt 0,")
+    assert "a loss_mask of" in msg and "give one 0 or 1 per response token" in msg
+    assert user_error_exit(e.value, debug=False) == 2
