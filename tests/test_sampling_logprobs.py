@@ -106,3 +106,17 @@ def test_truncation_under_tensor_parallelism_is_refused_with_the_fix():
     assert "rollout.top_p = 0.9 / rollout.top_k = -1 with train.tensor_parallel_size = 2" in msg
     assert "set train.tensor_parallel_size = 1, or rollout.top_p = 1.0 and rollout.top_k = -1" in msg
     load_config(REPO / "configs" / "tiny-cpu.yaml", ["rollout.top_p=0.9", "rollout.top_k=50"])  # TP = 1: accepted
+
+
+def test_truncated_kept_logits_give_the_recomputed_values_and_gradients():
+    # train.logprob_keep_logits: backward reads the forward's logits, with the forward's thresholds, bit for bit
+    hidden, weight, targets, _ = inputs(4, 0.7, 50, 0.9)
+    grads = []
+    for keep in (True, False):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        lp, ent = chunked_logprobs(h, w, targets, 0.7, True, 8, keep_logits=keep, top_k=50, top_p=0.9)
+        (lp.sum() + ent.sum()).backward()
+        grads.append((lp.detach(), ent.detach(), h.grad, w.grad))
+    assert grads[0][3].abs().sum() > 0
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
