@@ -204,6 +204,45 @@ def test_low_var_kl_is_clamped():
     assert close(kl_penalty(logp, ref, "low_var_kl"), [10.0])
 
 
+def slime_kl_float64(log_ratio: torch.Tensor, kind: str) -> torch.Tensor:
+    """slime's compute_approx_kl (verl's k1/k2 too), unclamped, in float64: the reference for kl_penalty."""
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return log_ratio.square() / 2
+    k3 = (-log_ratio).exp() - 1 + log_ratio
+    return k3.clamp(-10, 10) if kind == "low_var_kl" else k3
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl"])
+def test_kl_value_and_gradient_equal_the_float64_reference(kind):
+    # issue 28 N1: the +-20 clamp on the log-ratio gave k1 a value of 20 and a gradient of 0 at logp - ref = 25
+    # (slime/verl: 25 and 1); k2 and k3 were cut the same way. fp32 inputs like the trainer's, references in float64
+    ratios = [-25.0, -5.0, -0.5, 0.0, 0.5, 5.0, 25.0]
+    ref = torch.full((len(ratios),), -1.0)
+    logp = (torch.tensor(ratios) + ref).requires_grad_(True)
+    kl = kl_penalty(logp, ref, kind)
+    kl.sum().backward()
+    x = torch.tensor(ratios, dtype=torch.float64, requires_grad=True)
+    want = slime_kl_float64(x, kind)
+    want.sum().backward()
+    assert torch.allclose(kl.double(), want.detach(), rtol=1e-6, atol=1e-6), (kl, want)
+    assert torch.allclose(logp.grad.double(), x.grad, rtol=1e-6, atol=1e-6), (logp.grad, x.grad)
+    at_25 = {"k1": (25.0, 1.0), "k2": (312.5, 25.0), "k3": (24.0, 1.0), "low_var_kl": (10.0, 0.0)}[kind]
+    assert kl[-1].item() == pytest.approx(at_25[0], abs=1e-5) and logp.grad[-1].item() == pytest.approx(at_25[1])
+
+
+def test_k3_beyond_the_exp_cap_is_finite_and_keeps_its_sign():
+    # ref - logp = 100: exp(100) = inf in fp32; past KL_EXP_MAX = 30 k3 follows its tangent, gradient 1 - exp(30) < 0
+    logp = torch.tensor([-101.0, -31.0], requires_grad=True)
+    kl = kl_penalty(logp, torch.tensor([-1.0, -1.0]), "k3")
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(logp.grad).all()
+    assert logp.grad[0].item() == pytest.approx(1 - math.exp(30), rel=1e-5)
+    assert logp.grad[1].item() == pytest.approx(1 - math.exp(30), rel=1e-5)  # continuous at the cap
+    assert kl[0].item() == pytest.approx(math.exp(30) * 71 - 101, rel=1e-5)
+
+
 def test_kl_unknown_kind():
     with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
         kl_penalty(LOGP, REF, "k4")

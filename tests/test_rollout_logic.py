@@ -4,13 +4,17 @@ the batching of custom generate calls. (The real engines are exercised in the e2
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
 from tests.helpers.tiny import tiny_config
 from vime_core.data import DataBuffer, Prompt, PromptSet
 from vime_core.kv_cache import kv_cache_shortfall
+from vime_core.cli import user_error_exit
 from vime_core.rollout import (
+    CustomGenerateError,
     GenerateContext,
     Generation,
     SamplingSpec,
@@ -217,3 +221,80 @@ def test_kv_cache_shortfall_warns_only_when_concurrent_samples_cannot_fit(tmp_pa
     two = [{"kv_cache_tokens": need // 2, "max_num_seqs": 256}, {"kv_cache_tokens": need // 2 - 1, "max_num_seqs": 256}]
     assert kv_cache_shortfall(cfg, two, "cpu").startswith("vLLM engine 1's")
     assert kv_cache_shortfall(cfg, [{"kv_cache_tokens": None}], "cpu") is None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# what a custom generate returns (issue 28, N3)
+# --------------------------------------------------------------------------------------------------------------------
+class HookEngine(FakeEngine):
+    """What VLLMEngine._generate_custom reads of its engine: the hook, its name, and _generate_batch (FakeEngine's:
+    one token per turn, log-prob -0.5)."""
+
+    def __init__(self, hook, name="tests.hooks:gen"):
+        super().__init__()
+        self.custom_generate, self.opts = hook, SimpleNamespace(custom_generate=name)
+
+
+def run_hook(hook, monkeypatch, groups=1, n=2, name="tests.hooks:gen"):
+    from vime_core.rollout import GroupRequest, VLLMEngine
+
+    monkeypatch.setattr("vime_core.rollout.SamplingSpec.vllm_params", lambda self, seed, n=None, **kw: ("params", seed))
+    requests = [
+        GroupRequest(Sample(group_id=g, prompt_ids=[5, 6], metadata={"index": 10 + g}), seed=g) for g in range(groups)
+    ]
+    return asyncio.run(VLLMEngine._generate_custom(HookEngine(hook, name), requests, SamplingSpec(n, 1.0, 1.0, -1, 8)))
+
+
+def four_tokens(masks=None, logprobs=None):
+    """A hook giving every sample 4 response tokens, with the k-th call's mask / log-probs from the lists."""
+    calls = []
+
+    async def hook(ctx, sample, spec):
+        k = len(calls)
+        calls.append(k)
+        return replace(
+            sample,
+            response_ids=[7, 8, 9, 10],
+            loss_mask=masks[k] if masks else None,
+            rollout_logprobs=logprobs[k] if logprobs else [-0.1] * 4,
+        )
+
+    return hook
+
+
+def test_custom_generate_masks_of_the_wrong_length_fail_naming_sample_and_hook(monkeypatch):
+    # the review's case: masks of 3 and 5 values on two 4-token responses were shifted across the samples
+    with pytest.raises(CustomGenerateError) as e:
+        run_hook(four_tokens(masks=[[1, 1, 1], [1, 1, 1, 1, 0]]), monkeypatch, name="my.tools:agent")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("rollout.custom_generate = 'my.tools:agent' returned for sample 0 ")
+    assert "(prompt 0, sample 0 of its group; dataset index 10) a loss_mask of 3 values for its 4 response" in msg
+    assert user_error_exit(e.value, debug=False) == 2  # the CLIs' exit code, also when raised inside a Ray actor
+
+
+def test_custom_generate_off_by_one_logprobs_and_bad_mask_values_are_named(monkeypatch):
+    with pytest.raises(CustomGenerateError, match=r"sample 3 \(prompt 1, sample 1 of its group; dataset index 11\) 5 "):
+        run_hook(four_tokens(logprobs=[[-0.1] * 4] * 3 + [[-0.1] * 5]), monkeypatch, groups=2)
+    with pytest.raises(
+        CustomGenerateError, match=r"sample 1 .* a loss_mask of the value\(s\) \[2\] for its 4 response"
+    ):
+        run_hook(four_tokens(masks=[[1, 1, 0, 0], [1, 2, 0, 1]]), monkeypatch)
+
+    async def not_a_sample(ctx, sample, spec):
+        return {"response_ids": [1]}
+
+    with pytest.raises(CustomGenerateError, match="sample 0 .* a dict, not a Sample"):
+        run_hook(not_a_sample, monkeypatch)
+
+
+def test_custom_generate_aligned_masks_pass_unchanged(monkeypatch):
+    from tests.helpers.custom_generate import with_tool_suffix
+
+    groups = run_hook(with_tool_suffix, monkeypatch, groups=2)
+    samples = [s for g in groups for s in g]
+    assert len(samples) == 4
+    for s in samples:  # one policy token (FakeEngine's) and the tool token: mask [1, 0], log-probs [-0.5, 0.0]
+        assert s.response_ids == [2, 0] and s.loss_mask == [1, 0] and s.rollout_logprobs == [-0.5, 0.0]
+    # empty log-probs (none given) and a None mask (every token trained) are accepted as before
+    plain = run_hook(four_tokens(logprobs=[[], []]), monkeypatch)[0]
+    assert [s.rollout_logprobs for s in plain] == [[], []] and [s.mask for s in plain] == [[1, 1, 1, 1]] * 2

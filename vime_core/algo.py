@@ -96,18 +96,33 @@ def gspo_policy_loss(
     return loss, clipped, ratio
 
 
+# k3's exp(ref - logp) is exact up to this argument and follows its tangent beyond. exp(89) = inf in fp32, and inf
+# times a zero mask was E3's NaN; exp(30) = 1.1e13 squares to 1.1e26, far from fp32's 3.4e38, so a grad norm over
+# such tokens stays finite. A plain clamp (verl's +-20) would flip the gradient's sign past the cap (+1 instead of
+# 1 - exp(ref - logp)); the tangent keeps it. At 30, |logp - ref| = 25 (the review's case) is slime's exact k3.
+KL_EXP_MAX = 30.0
+
+
+def exp_tangent_capped(x: Tensor, cap: float) -> Tensor:
+    """exp(x) for x <= cap; beyond, the tangent at cap, exp(cap) (1 + x - cap): finite, with gradient exp(cap)."""
+    e = torch.exp(x.clamp(max=cap))
+    return torch.where(x > cap, e * (1.0 + x - cap), e)  # where: one branch's gradient at x = cap, not both
+
+
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
-    """Per-token KL estimate of the policy against the reference (Schulman's k1/k2/k3; low_var_kl is k3 clamped).
-    The log-ratio is clamped to +-LOG_RATIO_CLAMP first (verl), so that k3's exp cannot overflow."""
-    log_ratio = (logp - ref_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    """Per-token KL estimate of the policy against the reference (Schulman's k1/k2/k3; low_var_kl is k3 clamped to
+    +-10, as slime and verl do). Only k3's exp is capped (KL_EXP_MAX): k1 and k2 have no exp to overflow, and
+    clamping their log-ratio (as the +-20 clamp of E3 did) zeroed their gradient on the tokens that drifted furthest
+    from the reference (logp - ref = 25: k1 value 20 and gradient 0; slime and verl: 25 and 1)."""
+    log_ratio = logp - ref_logp
     if kind == "k1":
         return log_ratio
     if kind == "k2":
         return 0.5 * log_ratio.square()
     if kind in ("k3", "low_var_kl"):
-        # k3 = exp(ref - logp) - (ref - logp) - 1, unbiased and >= 0
+        # k3 = exp(ref - logp) - (ref - logp) - 1, unbiased and >= 0; exp(-inf) = 0 needs no lower cap
         neg = -log_ratio
-        kl = torch.exp(neg) - neg - 1.0
+        kl = exp_tangent_capped(neg, KL_EXP_MAX) - neg - 1.0
         return kl.clamp(-10.0, 10.0) if kind == "low_var_kl" else kl
     raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2, k3 or low_var_kl")
 

@@ -20,3 +20,9 @@ async def with_tool_suffix(ctx, sample, spec):
         response=turn.text,
         metadata={**sample.metadata, "turns": 1},
     )
+
+
+async def off_by_one_mask(ctx, sample, spec):
+    """with_tool_suffix whose loss_mask is one value short of the response (issue 28, N3): must fail naming it."""
+    out = await with_tool_suffix(ctx, sample, spec)
+    return replace(out, loss_mask=out.loss_mask[:-1])

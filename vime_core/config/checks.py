@@ -52,6 +52,13 @@ def cross_field_problems(c: RunConfig) -> Iterator[str]:
         )
     if t.expert_parallel_size > 1 and t.num_devices % t.expert_parallel_size:
         yield f"train.expert_parallel_size = {t.expert_parallel_size} does not divide train.num_devices = {t.num_devices}"
+    if (r.top_p < 1.0 or r.top_k > 0) and t.tensor_parallel_size > 1:
+        yield (
+            f"rollout.top_p = {r.top_p} / rollout.top_k = {r.top_k} with train.tensor_parallel_size = "
+            f"{t.tensor_parallel_size}: the trainer renormalises its log-probs over the tokens vLLM's top-k/top-p kept, "
+            "which needs the whole vocabulary on one rank; set train.tensor_parallel_size = 1, or rollout.top_p = 1.0 "
+            "and rollout.top_k = -1"
+        )
     if t.sequence_parallel:
         yield (
             "train.sequence_parallel is not supported yet (megatron-core's local layer spec, which vime-flow builds, "

@@ -89,8 +89,21 @@ class RolloutConfig(Section):
     ] = 8
     max_response_len: Annotated[int, FIXED, Field(ge=1, description="Maximum generated tokens per sample.")] = 8192
     temperature: Annotated[float, FIXED, Field(gt=0.0, le=10.0, description="Sampling temperature.")] = 1.0
-    top_p: Annotated[float, FIXED, Field(gt=0.0, le=1.0, description="Nucleus sampling threshold.")] = 1.0
-    top_k: Annotated[int, FIXED, Field(ge=-1, description="Top-k sampling; -1 disables it.")] = -1
+    top_p: Annotated[
+        float,
+        FIXED,
+        Field(
+            gt=0.0,
+            le=1.0,
+            description="Nucleus sampling threshold. Below 1 the trainer's log-probs (ratio, TIS, KL, entropy) are "
+            "renormalised over the tokens vLLM kept, as its processed log-probs are; needs train.tensor_parallel_size 1.",
+        ),
+    ] = 1.0
+    top_k: Annotated[
+        int,
+        FIXED,
+        Field(ge=-1, description="Top-k sampling; -1 or 0 disables it. Renormalises the trainer's log-probs as top_p."),
+    ] = -1
     stop: Annotated[list[str], FIXED, Field(description="Extra stop strings (EOS always stops).")] = []
     num_engines: Annotated[int, FREE, Field(ge=1, description="vLLM engines behind the router.")] = 1
     engine_tensor_parallel_size: Annotated[
