@@ -159,7 +159,8 @@ class FakeActor:
 
 @pytest.mark.parametrize("cause, user", [(ValueError("weights file truncated"), True), (MemoryError("oom"), False)])
 def test_an_actor_start_failure_is_a_user_error_only_when_its_cause_is_one(monkeypatch, cause, user):
-    from vime_core.cluster import ClusterError, wait_ready
+    from vime_core.errors import ClusterError
+    from vime_core.rpc import wait_ready
     from vime_core.integrity import WeightsFileError
 
     cause = WeightsFileError(str(cause)) if user else cause
@@ -183,7 +184,7 @@ def test_an_actor_start_failure_is_a_user_error_only_when_its_cause_is_one(monke
 def test_colocated_trainers_start_only_once_the_engines_are_up(monkeypatch):
     """wait_ready(engines_first=True): every engine's ready() is read before any trainer's start() is called (vLLM
     sizes its KV cache from the device's memory change while it starts); without it both are asked at once."""
-    from vime_core.cluster import wait_ready
+    from vime_core.rpc import wait_ready
 
     events: list[str] = []
 
@@ -201,12 +202,14 @@ def test_colocated_trainers_start_only_once_the_engines_are_up(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(get=get))
     trainers = [SimpleNamespace(start=Call(f"trainer {i}")) for i in range(2)]
     engines = [SimpleNamespace(ready=Call(f"engine {i}")) for i in range(2)]
-    wait_ready(trainers, engines, None, engines_first=True)
+    wait_ready(trainers, engines, None, engines_first=True, before_trainers=lambda: events.append("engines sleep"))
     last_engine = max(events.index(f"got engine {i}") for i in range(2))
-    assert last_engine < min(events.index(f"call trainer {i}") for i in range(2)), events
+    # sleeping engines go to sleep between their start and the trainers' (Qwen3-8B: the trainer's build needs it)
+    assert last_engine < events.index("engines sleep") < min(events.index(f"call trainer {i}") for i in range(2))
     events.clear()
-    wait_ready(trainers, engines, None)
+    wait_ready(trainers, engines, None, before_trainers=lambda: events.append("engines sleep"))
     assert max(events.index(f"call trainer {i}") for i in range(2)) < events.index("got engine 0"), events
+    assert "engines sleep" not in events  # apart (not colocated), nothing waits and nothing sleeps
 
 
 @pytest.mark.parametrize("sleep", [True, False])

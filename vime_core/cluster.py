@@ -18,14 +18,14 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from vime_core.config import RunConfig
 from vime_core.errors import ClusterError
 from vime_core.orphans import remove_on_death
 from vime_core.platform import LOCAL_RAY_ENV, apply_offline_env, raise_fd_limit, worker_env
 from vime_core.ports import free_port
-from vime_core.rpc import gather, wait_started
+from vime_core.rpc import gather
 
 log = logging.getLogger(__name__)
 
@@ -409,7 +409,7 @@ def engine_specs(cfg: RunConfig, p: Placement, platform: str, model_path: str) -
 
 
 def create_engines(cfg: RunConfig, p: Placement, platform: str, model_path: str) -> list[Any]:
-    """Engine actors; they start in the background (see `wait_ready`)."""
+    """Engine actors; they start in the background (see `rpc.wait_ready`)."""
     specs = engine_specs(cfg, p, platform, model_path)
     got = early_start.take("engines", p, specs) if early_start is not None else None
     if got is not None:
@@ -454,7 +454,7 @@ def create_trainers(
     cfg: RunConfig, p: Placement, platform: str, model_dir: str, init_checkpoint: str | None = None
 ) -> list[Any]:
     """All trainer ranks, constructed concurrently; they start in the background (each joins the process group), or
-    on colocated GPUs once the engines are up (`defer_start`, see `wait_ready`)."""
+    on colocated GPUs once the engines are up (`defer_start`, see `rpc.wait_ready`)."""
     got = early_start.take("trainers", cfg, p, model_dir, init_checkpoint) if early_start is not None else None
     if got is not None:
         return got
@@ -476,30 +476,3 @@ def create_trainers(
         for rank, bundle in enumerate(p.trainer_bundles)
     ]
     return actors
-
-
-def wait_ready(
-    trainers: list[Any],
-    engines: list[Any],
-    timeout_s: float | None = None,
-    engines_first: bool = False,
-    before_trainers: Callable[[], Any] | None = None,
-):
-    """Wait for trainers and engines to start (concurrently); a failure names the actor that failed.
-
-    `engines_first` (colocated GPUs, `Placement.colocated_gpu`; the trainers were made with `defer_start`): the
-    trainers' GPU work (`Trainer.start`) begins once every engine is up. vLLM sizes its KV cache from the whole
-    device's memory change between its start and the end of its profiling run, so a trainer allocating its ~16 GiB
-    (Qwen3-1.7B: weights, fp32 main params and grads) on the same GPU meanwhile is charged to the engine
-    (vllm-project/vllm#55827): a smaller cache, samples preempted. slime, too, creates its rollout engines before its
-    training actors. Costs the trainers' GPU setup on top of the engines' start; their processes and imports still
-    overlap it. `before_trainers` runs between the two (sleeping engines: put them to sleep, so that the trainers
-    build their state beside the engines' asleep footprint, not beside their whole share: Qwen3-8B's 30 GiB gradient
-    buffer did not fit beside an awake 84 GiB engine on one H200)."""
-    engine_refs = {e.ready.remote(): f"vLLM engine {i}" for i, e in enumerate(engines)}
-    if engines_first:
-        wait_started(engine_refs, timeout_s)
-        engine_refs = {}
-        if before_trainers is not None:
-            before_trainers()
-    wait_started({a.start.remote(): f"trainer rank {i}" for i, a in enumerate(trainers)} | engine_refs, timeout_s)

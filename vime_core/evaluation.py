@@ -54,7 +54,8 @@ def evaluate(router: RolloutRouter, eval_sets: dict[str, PromptSet], cfg, reward
 
 def evaluate_model(cfg, model_dir) -> dict[str, float]:
     """Evaluate an HF checkpoint on `cfg.eval.datasets` with fresh vLLM engines (no trainer)."""
-    from vime_core.cluster import create_engines, init_ray, make_placement, shutdown_ray, wait_ready
+    from vime_core.cluster import create_engines, init_ray, make_placement, shutdown_ray
+    from vime_core.rpc import wait_ready
 
     p = prepare(cfg, Path(model_dir), eval_only=True)
     if not p.eval_sets:

@@ -133,7 +133,8 @@ def train_loop(
     Metrics go to `sink` at step = rollout_id; eval rows at the number of rollout steps the policy has had (0 is the
     baseline). `run_state` (e.g. the MLflow run id) is stored in every checkpoint so that a resume continues it."""
     from vime_core.checkpoint import Checkpointer
-    from vime_core.cluster import create_engines, create_trainers, init_ray, make_placement, shutdown_ray, wait_ready
+    from vime_core.cluster import create_engines, create_trainers, init_ray, make_placement, shutdown_ray
+    from vime_core.rpc import wait_ready
     from vime_core.evaluation import evaluate
     from vime_core.kv_cache import kv_cache_shortfall
     from vime_core.rollout import RolloutRouter

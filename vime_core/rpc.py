@@ -4,7 +4,7 @@ them (router, trainer group, weight sync), so none of those imports the cluster 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from vime_core.errors import ActorTimeoutError, ClusterError, VimeError
 
@@ -55,3 +55,27 @@ def wait_started(pending: dict, timeout_s: float | None) -> None:
             if isinstance(getattr(e, "cause", None), VimeError) or isinstance(e, VimeError):
                 raise ClusterError(f"{who} failed to start: {e}") from e
             raise RuntimeError(f"{who} failed to start: {e}") from e
+
+
+def wait_ready(
+    trainers: list,
+    engines: list,
+    timeout_s: float | None = None,
+    engines_first: bool = False,
+    before_trainers: Callable[[], object] = lambda: None,
+):
+    """Wait for trainers and engines to start (concurrently); a failure names the actor that failed.
+
+    `engines_first` (colocated GPUs, `Placement.colocated_gpu`; the trainers were made with `defer_start`): the
+    trainers' GPU work (`Trainer.start`) begins once every engine is up. vLLM sizes its KV cache from the whole
+    device's memory change between its start and the end of its profiling run, so a trainer allocating its ~16 GiB
+    (Qwen3-1.7B) on the same GPU meanwhile is charged to the engine (vllm-project/vllm#55827): a smaller cache,
+    samples preempted. slime, too, creates its rollout engines first; the trainers' processes and imports still
+    overlap their start. `before_trainers` runs in between: sleeping engines go to sleep (Qwen3-8B's 30 GiB gradient
+    buffer did not fit beside an awake 84 GiB engine on one H200)."""
+    engine_refs = {e.ready.remote(): f"vLLM engine {i}" for i, e in enumerate(engines)}
+    if engines_first:
+        wait_started(engine_refs, timeout_s)
+        engine_refs = {}
+        before_trainers()
+    wait_started({a.start.remote(): f"trainer rank {i}" for i, a in enumerate(trainers)} | engine_refs, timeout_s)

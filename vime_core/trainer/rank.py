@@ -31,7 +31,7 @@ from vime_core.trainer.step import TrainStep
 class Trainer(TrainStep, RankCheckpoint):
     """One trainer rank. Construct all ranks of a group concurrently: __init__ joins the process group and builds
     the model, or with `defer_start` only imports, and `start()` (on every rank at once) does the rest: on colocated
-    GPUs the loop calls it once the vLLM engines have sized their KV caches (see cluster.wait_ready)."""
+    GPUs the loop calls it once the vLLM engines have sized their KV caches (see rpc.wait_ready)."""
 
     def __init__(
         self,
