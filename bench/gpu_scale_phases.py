@@ -12,7 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_scale import filter_overrides, loop_overrides  # noqa: E402
+from gpu_scale_config import filter_overrides, loop_overrides  # noqa: E402
 from gpu_scale_report import hf_config, loop_passes, mfu, pack, step_flops  # noqa: E402
 
 

@@ -25,6 +25,12 @@ def gs():
 
 
 @pytest.fixture(scope="module")
+def gc():
+    """The loop phase's config overrides."""
+    return load_bench("gpu_scale_config")
+
+
+@pytest.fixture(scope="module")
 def rp():
     """The pure report helpers: shapes, FLOPs, MFU, medians, packing, summary and merge."""
     return load_bench("gpu_scale_report")
@@ -75,8 +81,8 @@ def test_pack_respects_the_token_budget(rp):
     assert [14] in mbs  # longer than the budget: alone
 
 
-def test_filter_overrides_drops_fields_this_config_lacks(gs):
-    kept, dropped = gs.filter_overrides(
+def test_filter_overrides_drops_fields_this_config_lacks(gc):
+    kept, dropped = gc.filter_overrides(
         [
             "train.lr=2e-6",
             "eval.datasets=[]",
@@ -90,7 +96,7 @@ def test_filter_overrides_drops_fields_this_config_lacks(gs):
     assert dropped == ["train.no_such_field=1", "nosection.x=1", "train.lr.deeper=1"]
 
 
-def test_loop_config_is_valid_and_one_optimizer_step_per_rollout(gs, tmp_path):
+def test_loop_config_is_valid_and_one_optimizer_step_per_rollout(gs, gc, tmp_path):
     args = gs.parse(
         [
             "--shape",
@@ -105,7 +111,7 @@ def test_loop_config_is_valid_and_one_optimizer_step_per_rollout(gs, tmp_path):
             "train.recompute=full",
         ]
     )
-    kept, dropped = gs.filter_overrides(gs.loop_overrides(args, tmp_path / "m", tmp_path / "run"))
+    kept, dropped = gc.filter_overrides(gc.loop_overrides(args, tmp_path / "m", tmp_path / "run"))
     cfg = load_config(None, kept)
     assert cfg.num_steps_per_rollout == 1 and cfg.rollout.max_response_len == 4096
     assert cfg.cluster.colocate and cfg.model.dtype == "bfloat16" and cfg.train.optimizer == "megatron"
@@ -344,3 +350,14 @@ def test_8b_rows_are_checked_against_vime_and_the_host_budget(rp):
         "host_peak_gib < 110": True,
         "sync_s <= 1.5": True,
     }
+
+
+def test_the_8b_bench_runs_the_shipped_config_under_the_bench_shape(gs, gc, tmp_path):
+    """--config: the shipped file's settings (host-side optimizer, sleep level, vLLM's share) with the bench's model,
+    data and batch shape on top."""
+    args = gs.parse(["--shape", "8b", "--config", str(REPO / "configs" / "qwen3-8b-cuda-1gpu.yaml")])
+    kept, _ = gc.filter_overrides(gc.loop_overrides(args, tmp_path / "m", tmp_path / "run"))
+    cfg = load_config(args.config, kept)
+    assert cfg.train.optimizer_cpu_offload and cfg.cluster.engine_sleep_level == 2
+    assert cfg.rollout.gpu_memory_utilization == 0.55 and cfg.model.source == str(tmp_path / "m")
+    assert cfg.eval.datasets == [] and cfg.num_steps_per_rollout == 1

@@ -256,3 +256,15 @@ def test_no_vime_core_file_is_over_500_lines():
     """Small files: a module past 500 lines holds two concerns (CONTRIBUTING.md); split it."""
     long = {name: n for name, p in core_modules().items() if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
+
+
+def test_bench_scripts_import_each_other_without_a_cycle():
+    """bench/ modules import their siblings by name (the scripts put bench/ on sys.path): those edges, at any depth,
+    form no cycle either (gpu_scale <-> gpu_scale_phases was one)."""
+    bench = {p.stem: p for p in (REPO / "bench").glob("*.py")}
+    graph = {
+        name: {i.split(".")[0] for i in imports(p, module_level_only=False)} & set(bench) for name, p in bench.items()
+    }
+    assert "gpu_scale_config" in graph["gpu_scale_phases"], "the parser found no bench edges"
+    cycle = find_cycle(graph)
+    assert cycle is None, "bench import cycle: " + " -> ".join(cycle or [])
