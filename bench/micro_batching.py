@@ -33,8 +33,7 @@ def main() -> int:
     from vime_core import megatron_model as mm
     from vime_core.builtin import builtin_model_path
     from vime_core.checkpoint import init_rank, load_hf_state_dict, read_hf_config
-    from vime_core.models import arch_from_hf_config
-    from vime_core.models.qwen3_mapping import hf_to_mcore
+    from vime_core.models import arch_from_hf_config, spec_of
     from vime_core.trainer import pack_micro_batches
 
     port = free_port()
@@ -42,7 +41,7 @@ def main() -> int:
     model_dir = builtin_model_path("tiny-qwen3-arith")
     arch = arch_from_hf_config(read_hf_config(model_dir))
     model = mm.build_gpt(arch, mm.transformer_config(arch, "float32"))
-    mm.load_full_weights(model, hf_to_mcore(load_hf_state_dict(model_dir), arch), arch)
+    mm.load_full_weights(model, spec_of(arch).mapping().hf_to_mcore(load_hf_state_dict(model_dir), arch), arch)
     rng = random.Random(0)
     lengths = [rng.randint(20, 40) + min(200, int(rng.expovariate(1 / 40)) + 5) for _ in range(args.samples)]
     seqs = [torch.randint(0, arch.vocab_size, (n,)) for n in lengths]

@@ -268,3 +268,16 @@ def test_bench_scripts_import_each_other_without_a_cycle():
     assert "gpu_scale_config" in graph["gpu_scale_phases"], "the parser found no bench edges"
     cycle = find_cycle(graph)
     assert cycle is None, "bench import cycle: " + " -> ".join(cycle or [])
+
+
+def test_only_the_model_package_imports_a_weight_mapping():
+    """The HF <-> megatron mapping is reached through `spec_of(arch).mapping()`, so that a second model family is one
+    spec and one mapping module in vime_core/models/, not edits wherever weights are handled."""
+    roots = [CORE, REPO / "flows", REPO / "tasks", REPO / "bench"]
+    users = {
+        str(p.relative_to(REPO))
+        for root in roots
+        for p in root.rglob("*.py")
+        if p.parent != CORE / "models" and any("qwen3_mapping" in i for i in imports(p, module_level_only=False))
+    }
+    assert not users, users

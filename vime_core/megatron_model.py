@@ -13,8 +13,8 @@ from typing import Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from vime_core.models import spec_of
 from vime_core.models.qwen3 import Qwen3Arch
-from vime_core.models.qwen3_mapping import expert_index, local_view, unshard_tp, with_expert_index
 from vime_core.namediff import describe_name_diff, name_diff
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -323,16 +323,20 @@ def load_full_weights(model: torch.nn.Module, full: Mapping[str, torch.Tensor], 
     from megatron.core import parallel_state as ps
 
     tp, tp_rank, ep, ep_rank = parallel_ranks()
-    local = local_view(
-        full,
-        tp,
-        tp_rank,
-        ep,
-        ep_rank,
-        arch.num_experts,
-        ps.get_pipeline_model_parallel_world_size(),
-        ps.get_pipeline_model_parallel_rank(),
-        arch.num_layers,
+    local = (
+        spec_of(arch)
+        .mapping()
+        .local_view(
+            full,
+            tp,
+            tp_rank,
+            ep,
+            ep_rank,
+            arch.num_experts,
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_rank(),
+            arch.num_layers,
+        )
     )
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     missing, unexpected = name_diff(own, local)
@@ -364,18 +368,19 @@ def iter_full_weights(model: torch.nn.Module, arch: Qwen3Arch) -> Iterator[tuple
     tp_group = ps.get_tensor_model_parallel_group()
     ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
     per_rank = arch.num_experts // ep if arch.num_experts else 0
+    mapping = spec_of(arch).mapping()
     for name, t in model.state_dict().items():
         if name.endswith("_extra_state"):
             continue
         t = t.detach()
-        e = expert_index(name)
+        e = mapping.expert_index(name)
         if e is not None:
             shards_by_ep = _all_gather(t, ep_group) if ep > 1 else [t]
             for r, shard in enumerate(shards_by_ep):
-                global_name = with_expert_index(name, r * per_rank + e)
-                yield global_name, unshard_tp(name, _all_gather(shard, tp_group)) if tp > 1 else shard
+                global_name = mapping.with_expert_index(name, r * per_rank + e)
+                yield global_name, mapping.unshard_tp(name, _all_gather(shard, tp_group)) if tp > 1 else shard
         else:
-            yield name, unshard_tp(name, _all_gather(t, tp_group)) if tp > 1 else t
+            yield name, mapping.unshard_tp(name, _all_gather(t, tp_group)) if tp > 1 else t
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -137,15 +137,14 @@ def _hf_to_dist_rank(
     rank, world, port, queue, hf_dir: str, out_tmp: str, tp: int, pp: int, ep: int, dtype: str
 ) -> None:
     from vime_core import megatron_model as mm
-    from vime_core.models import arch_from_hf_config
-    from vime_core.models.qwen3_mapping import hf_to_mcore
+    from vime_core.models import arch_from_hf_config, spec_of
 
     init_rank(rank, world, port, tp, pp, ep)
     arch = arch_from_hf_config(read_hf_config(hf_dir), where=hf_dir)
     hf = load_hf_state_dict(hf_dir)
     if rank == 0:
         queue.put(("progress", 1))
-    full = hf_to_mcore(hf, arch)  # validates names and shapes: raises naming the tensor
+    full = spec_of(arch).mapping().hf_to_mcore(hf, arch)  # validates names and shapes: raises naming the tensor
     del hf
     if rank == 0:
         queue.put(("progress", 2))
@@ -174,8 +173,7 @@ def convert_hf_to_torch_dist(
 
     Skipped when `out_dir` already holds a conversion of the same source hash and dtype. Written to a temporary
     sibling and renamed."""
-    from vime_core.models import Layout, arch_from_hf_config, layout_problems
-    from vime_core.models.qwen3_mapping import check_hf_names, check_shapes
+    from vime_core.models import Layout, arch_from_hf_config, layout_problems, spec_of
     from vime_core.sources import content_hash
 
     hf_dir, out = Path(hf_dir), Path(out_dir)
@@ -195,8 +193,9 @@ def convert_hf_to_torch_dist(
                 shapes.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
         except Exception as e:
             raise ModelFileError(f"cannot read weights file {f}: {e}") from e
-    check_hf_names(set(shapes), arch, where=str(hf_dir))  # fail fast, before spawning ranks
-    check_shapes(shapes, arch, where=str(hf_dir))
+    mapping = spec_of(arch).mapping()
+    mapping.check_hf_names(set(shapes), arch, where=str(hf_dir))  # fail fast, before spawning ranks
+    mapping.check_shapes(shapes, arch, where=str(hf_dir))
     _check_replaceable(out, META_FILE)
     with replacing_dir(out) as tmp:
         _spawn(
@@ -223,17 +222,15 @@ def _check_replaceable(out: Path, marker: str) -> None:
 
 def _dist_to_hf_rank(rank, world, port, queue, ckpt_dir: str, out_tmp: str, hf_config_dir: str, dtype: str) -> None:
     from vime_core import megatron_model as mm
-    from vime_core.models import arch_from_hf_config
-    from vime_core.models.qwen3_mapping import mcore_param_to_hf
+    from vime_core.models import arch_from_hf_config, spec_of
 
     init_rank(rank, world, port, 1, 1, 1)
     arch = arch_from_hf_config(read_hf_config(hf_config_dir))
     model = mm.build_gpt(arch, mm.transformer_config(arch, dtype))
     load_torch_dist(model, ckpt_dir)
     queue.put(("progress", 1))
-    tensors = [
-        (k, v.clone()) for name, t in mm.iter_full_weights(model, arch) for k, v in mcore_param_to_hf(name, t, arch)
-    ]
+    to_hf = spec_of(arch).mapping().mcore_param_to_hf
+    tensors = [(k, v.clone()) for name, t in mm.iter_full_weights(model, arch) for k, v in to_hf(name, t, arch)]
     queue.put(("progress", 2))
     save_hf_checkpoint(tensors, out_tmp, hf_config_dir)
     queue.put(("progress", 3))

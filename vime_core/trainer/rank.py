@@ -124,8 +124,7 @@ class Trainer(TrainStep, RankCheckpoint):
         """Policy (and frozen reference) from the HF checkpoint, or the policy from a converted torch_dist one."""
         from vime_core import megatron_model as mm
         from vime_core.checkpoint import load_hf_state_dict, read_hf_config
-        from vime_core.models import arch_from_hf_config
-        from vime_core.models.qwen3_mapping import hf_to_mcore
+        from vime_core.models import arch_from_hf_config, spec_of
 
         t = self.cfg.train
         self.arch = arch_from_hf_config(read_hf_config(model_dir))
@@ -140,7 +139,8 @@ class Trainer(TrainStep, RankCheckpoint):
         )
         need_ref = self.cfg.grpo.kl_loss_coef > 0
         # a converted checkpoint replaces every policy weight: read the HF files only when something uses them
-        full = hf_to_mcore(load_hf_state_dict(model_dir), self.arch) if need_ref or not init_checkpoint else None
+        to_mcore = spec_of(self.arch).mapping().hf_to_mcore
+        full = to_mcore(load_hf_state_dict(model_dir), self.arch) if need_ref or not init_checkpoint else None
         self.module = mm.build_gpt(self.arch, self.tf_config).to(self.device)  # the GPTModel itself
         if init_checkpoint:
             self._load_model(Path(init_checkpoint))
@@ -162,9 +162,11 @@ class Trainer(TrainStep, RankCheckpoint):
     def _full_weights(self) -> tuple[Iterator[tuple[str, torch.Tensor]], Callable]:
         """(megatron name, full tensor) of every parameter (a collective walk), and the megatron -> HF mapping."""
         from vime_core.megatron_model import iter_full_weights
-        from vime_core.models.qwen3_mapping import mcore_param_to_hf
+        from vime_core.models import spec_of
 
-        return iter_full_weights(self.module, self.arch), partial(mcore_param_to_hf, arch=self.arch)
+        return iter_full_weights(self.module, self.arch), partial(
+            spec_of(self.arch).mapping().mcore_param_to_hf, arch=self.arch
+        )
 
     def export_hf_weights(self) -> list[tuple[str, torch.Tensor]] | None:
         """`cpu`: full HF-named weights (CPU tensors) on global rank 0, None elsewhere. Collective over all ranks."""
