@@ -281,3 +281,52 @@ def test_only_the_model_package_imports_a_weight_mapping():
         if p.parent != CORE / "models" and any("qwen3_mapping" in i for i in imports(p, module_level_only=False))
     }
     assert not users, users
+
+
+ACTORS = {"trainer/rank.py": "Trainer", "rollout.py": "VLLMEngine", "sync/worker.py": "VLLMWorkerExtension"}
+TRANSPORT_WORDS = ("cpu", "cuda", "ipc", "nccl")  # the words of sync.TRANSPORTS' names
+
+
+def class_methods(source: str) -> dict[str, list[str]]:
+    return {
+        c.name: [f.name for f in c.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for c in ast.walk(ast.parse(source))
+        if isinstance(c, ast.ClassDef)
+    }
+
+
+def weights_door_problems(files: dict[str, str], actors: dict[str, str]) -> list[str]:
+    """Every way the weight seam leaks: an actor class with other than one public (Ray-callable) method about weights,
+    or a method outside
+    sync/ named after a transport (that logic belongs in the transport's module, reached through the one door)."""
+    problems = []
+    for rel, source in files.items():
+        methods = class_methods(source)
+        if rel in actors:
+            doors = [m for m in methods.get(actors[rel], []) if "weight" in m and not m.startswith("_")]
+            if len(doors) != 1:
+                problems.append(f"{actors[rel]} has weights methods {doors}: exactly one door")
+        if not rel.startswith("sync/"):
+            problems += [
+                f"{rel}: {cls}.{m} is named after a transport"
+                for cls, ms in methods.items()
+                for m in ms
+                if set(m.lower().split("_")) & set(TRANSPORT_WORDS)
+            ]
+    return problems
+
+
+def test_each_actor_has_one_weights_door_and_no_transport_named_method():
+    files = {str(p.relative_to(CORE)): p.read_text() for p in CORE.rglob("*.py")}
+    assert weights_door_problems(files, ACTORS) == []
+
+
+def test_the_weights_door_rule_catches_a_planted_violation():
+    planted = "class Trainer:\n    def weights(self, op): ...\n    def next_ipc_bucket(self): ...\n"
+    assert weights_door_problems({"trainer/rank.py": planted}, ACTORS) == [
+        "trainer/rank.py: Trainer.next_ipc_bucket is named after a transport"
+    ]
+    two_doors = "class VLLMEngine:\n    def weights(self): ...\n    def load_weights(self): ...\n"
+    assert weights_door_problems({"rollout.py": two_doors}, ACTORS) == [
+        "VLLMEngine has weights methods ['weights', 'load_weights']: exactly one door"
+    ]

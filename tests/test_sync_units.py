@@ -137,7 +137,7 @@ class FakeWorker(VLLMWorkerExtension):
 
 def test_cpu_engine_reloads_the_whole_model_in_one_call_then_repacks_moe():
     worker = FakeWorker()
-    n = worker.vime_load_weights(iter(named_tensors()))
+    n = worker.vime_weights("cpu", "load", iter(named_tensors()))
     assert n == len(named_tensors())
     assert worker.log == [("reload", [name for name, _ in named_tensors()]), "repack"]
     assert load_into_engine(worker, []) == 0
@@ -145,7 +145,7 @@ def test_cpu_engine_reloads_the_whole_model_in_one_call_then_repacks_moe():
 
 def test_ipc_receive_refuses_a_bucket_of_another_device():
     worker = FakeWorker()
-    assert worker.vime_device_uuid() == "cpu"
+    assert cuda_ipc.device_uuid(worker) == "cpu"
     with pytest.raises(RuntimeError, match=r"no IPC handle for this worker's device cpu; have \['GPU-a', 'GPU-b'\]"):
         cuda_ipc.receive(worker, {"GPU-b": b"", "GPU-a": b""}, [])
     assert worker.log == []
@@ -159,8 +159,10 @@ class FakeTrainers:
         self.n, self.calls, self.ranks, self.sent = n, calls, ranks, 0
 
     def call_all(self, method, *args, timeout_s=None, setting=""):
-        self.calls.append((method, setting))
-        if method == "next_bucket":
+        assert method == "weights"  # the trainer's one door
+        op = args[0]
+        self.calls.append((op, setting))
+        if op == "next":
             self.sent += 1
             return [f"bucket {self.sent}" if self.sent <= self.n else None] * self.ranks
         return [None] * self.ranks
@@ -178,15 +180,9 @@ class FakeRouter:
 def test_bucket_loop_delivers_each_bucket_and_always_ends_the_export():
     calls: list = []
     delivered: list = []
-    bucket_loop(Peers(FakeTrainers(2, calls), None, 5), 1024, "next_bucket", delivered.append)
+    bucket_loop(Peers(FakeTrainers(2, calls), None, 5), 1024, delivered.append)
     assert delivered == [["bucket 1"] * 2, ["bucket 2"] * 2]
-    assert [m for m, _ in calls] == [
-        "begin_weight_export",
-        "next_bucket",
-        "next_bucket",
-        "next_bucket",
-        "end_weight_export",
-    ]
+    assert [m for m, _ in calls] == ["begin", "next", "next", "next", "end"]
     assert {s for _, s in calls} == {"sync.timeout_s"}
 
     calls.clear()
@@ -195,8 +191,25 @@ def test_bucket_loop_delivers_each_bucket_and_always_ends_the_export():
         raise RuntimeError("engine gone")
 
     with pytest.raises(RuntimeError, match="engine gone"):
-        bucket_loop(Peers(FakeTrainers(2, calls), None, 5), 1024, "next_bucket", fail)
-    assert calls[-1][0] == "end_weight_export"
+        bucket_loop(Peers(FakeTrainers(2, calls), None, 5), 1024, fail)
+    assert calls[-1][0] == "end"
+
+
+def test_a_weights_door_runs_only_its_halfs_ops_and_names_them():
+    from vime_core.sync.nccl import NcclReceiver
+
+    worker = FakeWorker()
+    with pytest.raises(ValueError, match=r"CpuReceiver has no weights op 'join'; it has load"):
+        worker.vime_weights("cpu", "join", "127.0.0.1", 1, 0, 2)
+    with pytest.raises(ValueError, match="unknown sync strategy 'ipc'"):
+        worker.vime_weights("ipc", "load")
+    # one receiver per transport and worker: the NCCL group joined on the first push is the one later loads use
+    seen = []
+    for _ in range(2):
+        with pytest.raises(ValueError, match="NcclReceiver has no weights op 'export'; it has join, load"):
+            worker.vime_weights("nccl", "export")
+        seen.append(worker.__dict__["_vime_receivers"]["nccl"])
+    assert isinstance(seen[0], NcclReceiver) and seen[0] is seen[1]
 
 
 def test_the_registry_holds_the_three_transports_under_their_names():

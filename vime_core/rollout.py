@@ -260,23 +260,10 @@ class VLLMEngine:
         return [list(done[i * spec.n : (i + 1) * spec.n]) for i in range(len(requests))]
 
     # -- weights --------------------------------------------------------------------------------------------------------
-    # Ray entry points of the receive halves in vime_core/sync/ (cpu, cuda_ipc, nccl): each runs in every worker
-    # through vime_core.sync.worker.VLLMWorkerExtension; the caller then drops the prefix cache (sync.WeightSync)
-    def load_weights(self, named_tensors: list[tuple[str, Any]]) -> int:
-        """`cpu`: load full HF-named tensors in place."""
-        return self.llm.collective_rpc("vime_load_weights", args=(named_tensors,))[0]
-
-    def load_weights_ipc(self, handles_by_uuid: dict[str, Any], layout: list) -> int:
-        """`cuda_ipc`: open the bucket of each worker's own device (handles keyed by device UUID) and load it."""
-        return self.llm.collective_rpc("vime_load_from_ipc", args=(handles_by_uuid, layout))[0]
-
-    def init_weight_group(self, address: str, port: int, rank_offset: int, world_size: int) -> None:
-        """`nccl`: every worker joins the trainer's broadcast group (once, on the first push)."""
-        self.llm.collective_rpc("vime_init_nccl", args=(address, port, rank_offset, world_size))
-
-    def load_weights_nccl(self, layout: list, nbytes: int) -> int:
-        """`nccl`: receive one broadcast bucket and load it."""
-        return self.llm.collective_rpc("vime_load_from_nccl", args=(layout, nbytes))[0]
+    def weights(self, transport: str, op: str, *args):
+        """The engine's one door for weights: every worker runs `op` of `transport`'s receiver (vime_core/sync/;
+        through vime_core.sync.worker.VLLMWorkerExtension); the caller then drops the prefix cache (WeightSync)."""
+        return self.llm.collective_rpc("vime_weights", args=(transport, op, *args))[0]
 
     def info(self) -> dict[str, Any]:
         from vime_core.platform import max_rss_gib

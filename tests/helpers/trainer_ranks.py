@@ -92,7 +92,7 @@ def train_rank(
     if nan_advantage:
         samples[1].advantage = math.nan
     steps = split_steps_and_ranks(samples, cfg.num_steps_per_rollout, cfg.train.data_parallel_size)[rank]
-    before = trainer.weights_checksum()
+    before = trainer.checksum()
     out: dict = {"error": None, "metrics": {}, "old_logprob_samples": 0}
     no_grad_pass = trainer._logprobs
 
@@ -106,7 +106,7 @@ def train_rank(
         out["metrics"] = trainer.train(0, steps)
     except Exception as e:  # the test looks at the message and at the weights
         out["error"] = f"{type(e).__name__}: {e}"
-    out["checksum_before"], out["checksum_after"] = before, trainer.weights_checksum()
+    out["checksum_before"], out["checksum_after"] = before, trainer.checksum()
     out["finite_weights"] = all(bool(torch.isfinite(p).all()) for p in trainer.module.parameters())
     out["adam_steps"] = sum(len(s) for s in trainer.optimizer.state.values())
     trainer.shutdown()

@@ -2,8 +2,9 @@
 (`Peers`), the bucket loop of the bucketed transports, the trainer-side bucket export, and the engine-side load.
 
 A transport module holds three halves of one mechanism: the driver's `push` (a `Transport` subclass), the trainer
-rank's send functions (called from `Trainer`'s RPC entry points) and the vLLM worker's receive functions (called from
-`VLLMWorkerExtension`). Adding one is a module plus a line in `weight_sync.TRANSPORTS`.
+rank's `Exporter` and the vLLM worker's `Receiver`. Each actor has one door for weights that runs an op of its half:
+`Trainer.weights(op, ...)`, `VLLMEngine.weights(transport, op, ...)` (every worker's `vime_weights`). Adding a
+transport is a module plus a line in `weight_sync.TRANSPORTS`.
 """
 
 from __future__ import annotations
@@ -37,11 +38,35 @@ class Peers:
         return gather(refs, who, doing, self.timeout_s, "sync.timeout_s")
 
 
+class Ops:
+    """An actor-side half of a transport: `call(op, *args)` runs its public method `op`, the one thing an actor's
+    weights door does. Unknown ops raise naming the half and what it offers."""
+
+    OPS: ClassVar[tuple[str, ...]] = ()
+
+    def call(self, op: str, *args):
+        if op not in self.OPS:
+            raise ValueError(f"{type(self).__name__} has no weights op {op!r}; it has {', '.join(self.OPS)}")
+        return getattr(self, op)(*args)
+
+
+class WeightSource:
+    """What a trainer rank exposes to its exporter: `full()` walks (megatron name, full tensor) of every parameter
+    (collective over the rank's TP/EP groups) with the megatron -> HF mapping; rank, device, platform and the engine's
+    dtype for the bucketed transports."""
+
+    def __init__(self, full: Callable[[], tuple[Iterable, Callable]], rank: int, device, platform: str, dtype):
+        self.full, self.rank, self.device, self.platform, self.dtype = full, rank, device, platform, dtype
+
+
 class Transport(ABC):
     """The driver half of a weight transport: move the trainer's current weights into every engine. Sleep/wake and
-    the prefix-cache reset around it belong to `WeightSync`, not to the transport."""
+    the prefix-cache reset around it belong to `WeightSync`, not to the transport. `exporter` / `receiver` are its
+    trainer-rank and engine-worker halves (`Ops`), built from a `WeightSource` / the vLLM worker."""
 
     name: ClassVar[str]
+    exporter: ClassVar[type[Ops]]
+    receiver: ClassVar[type[Ops]]
 
     def __init__(self, peers: Peers, bucket_bytes: int):
         self.peers, self.bucket_bytes = peers, bucket_bytes
@@ -51,24 +76,47 @@ class Transport(ABC):
         """One full weight update; raises (naming the actor) when a call fails or times out."""
 
 
-def bucket_loop(peers: Peers, bucket_bytes: int, next_method: str, deliver: Callable[[list], Any]) -> None:
-    """The loop of the bucketed transports: every trainer rank packs its next bucket (`next_method`, in lockstep:
-    the export is collective), `deliver(parts)` gets it into the engines, until rank 0 answers None; the ranks drop
-    their export whatever happened."""
-    peers.trainers("begin_weight_export", bucket_bytes)
+def bucket_loop(peers: Peers, bucket_bytes: int, deliver: Callable[[list], Any]) -> None:
+    """The loop of the bucketed transports: every trainer rank packs its next bucket (op `next`, in lockstep: the
+    export is collective), `deliver(parts)` gets it into the engines, until rank 0 answers None; the ranks drop their
+    export (op `end`) whatever happened."""
+    peers.trainers("weights", "begin", bucket_bytes)
     try:
         while True:
-            parts = peers.trainers(next_method)
+            parts = peers.trainers("weights", "next")
             if parts[0] is None:
                 break
             deliver(parts)
     finally:
-        peers.trainers("end_weight_export")
+        peers.trainers("weights", "end")
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # trainer side
 # --------------------------------------------------------------------------------------------------------------------
+class BucketExporter(Ops):
+    """The trainer half of a bucketed transport: `begin` a bucketed export of the HF-named weights in the engine's
+    dtype, `next` packs one bucket (the transport's `pack`), `end` drops it and frees the device cache."""
+
+    OPS = ("begin", "next", "end")
+
+    def __init__(self, source: WeightSource):
+        self.source, self.export = source, None
+
+    def begin(self, bucket_bytes: int) -> None:
+        self.export = BucketExport(hf_named(*self.source.full(), self.source.dtype), bucket_bytes, self.source.device)
+
+    def next(self):
+        return self.pack(self.export)
+
+    def pack(self, export: "BucketExport"):
+        raise NotImplementedError
+
+    def end(self) -> None:
+        self.export = None
+        release_device_cache(self.source.device)
+
+
 class BucketExport:
     """A trainer rank's bucketed export: HF-named tensors packed bucket by bucket on `device`. The packed `bucket`
     stays alive until the next one is asked for: the engines have loaded it by then."""

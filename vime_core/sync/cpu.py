@@ -8,18 +8,43 @@ from typing import Callable, Iterable
 
 import torch
 
-from vime_core.sync.base import Transport, load_into_engine
+from vime_core.sync.base import Ops, Transport, WeightSource, load_into_engine
+
+
+class CpuExporter(Ops):
+    """Trainer half: `export` -> rank 0's full HF-named CPU tensors (None on the other ranks; collective)."""
+
+    OPS = ("export",)
+
+    def __init__(self, source: WeightSource):
+        self.source = source
+
+    def export(self) -> list[tuple[str, torch.Tensor]] | None:
+        return send(*self.source.full(), self.source.rank == 0)
+
+
+class CpuReceiver(Ops):
+    """Engine half: `load` the whole model in place."""
+
+    OPS = ("load",)
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        return receive(self.worker, named_tensors)
 
 
 class CpuTransport(Transport):
     name = "cpu"
+    exporter, receiver = CpuExporter, CpuReceiver
 
     def push(self) -> None:
         import ray
 
-        weights = self.peers.trainer.export_hf_weights()  # rank 0's full tensors
+        weights = self.peers.trainers("weights", "export")[0]  # rank 0's full tensors
         ref = ray.put(weights)  # one copy in the object store, shared by every engine
-        self.peers.engines("load_weights", ref)
+        self.peers.engines("weights", self.name, "load", ref)
 
 
 def send(

@@ -9,24 +9,44 @@ from typing import Any
 
 import torch
 
-from vime_core.sync.base import BucketExport, Transport, bucket_loop, load_into_engine
+from vime_core.sync.base import BucketExport, BucketExporter, Ops, Transport, bucket_loop, load_into_engine
 from vime_core.sync.packing import Layout, unpack
+
+
+class CudaIpcExporter(BucketExporter):
+    """Trainer half: every rank packs its buckets on its own GPU; `next` -> (device UUID, IPC handle, layout)."""
+
+    def pack(self, export: BucketExport):
+        return send(export, self.source.platform)
+
+
+class CudaIpcReceiver(Ops):
+    """Engine half: `load` the bucket whose handle names this worker's device."""
+
+    OPS = ("load",)
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def load(self, handles_by_uuid: dict[str, Any], layout: Layout) -> int:
+        return receive(self.worker, handles_by_uuid, layout)
 
 
 class CudaIpcTransport(Transport):
     name = "cuda_ipc"
+    exporter, receiver = CudaIpcExporter, CudaIpcReceiver
 
     def push(self) -> None:
         def deliver(parts: list) -> None:
             handles = {uuid: handle for uuid, handle, _ in parts}
             engines = self.peers.router.engines
             self.peers.get(
-                [e.load_weights_ipc.remote(handles, parts[0][2]) for e in engines],
+                [e.weights.remote(self.name, "load", handles, parts[0][2]) for e in engines],
                 [f"vLLM engine {i}" for i in range(len(engines))],
-                "load_weights_ipc (weight sync)",
+                "loading a CUDA IPC bucket (weight sync)",
             )
 
-        bucket_loop(self.peers, self.bucket_bytes, "next_ipc_bucket", deliver)
+        bucket_loop(self.peers, self.bucket_bytes, deliver)
 
 
 def send(export: BucketExport, platform: str) -> tuple[str, bytes, Layout] | None:

@@ -5,12 +5,51 @@ from __future__ import annotations
 
 import torch
 
-from vime_core.sync.base import BucketExport, Transport, bucket_loop, load_into_engine
+from vime_core.sync.base import BucketExport, BucketExporter, Ops, Transport, bucket_loop, load_into_engine
 from vime_core.sync.packing import Layout, unpack
+
+
+class NcclExporter(BucketExporter):
+    """Trainer half (rank 0 broadcasts): `free_address`, `join` the group, then per bucket `next` -> (layout,
+    nbytes) and `broadcast`."""
+
+    OPS = ("free_address", "join", "begin", "next", "broadcast", "end")
+
+    def __init__(self, source):
+        super().__init__(source)
+        self.comm = None  # rank 0's group handle, made on the first push
+
+    def free_address(self) -> tuple[str, int]:
+        return free_address()
+
+    def join(self, address: str, port: int, world_size: int) -> None:
+        self.comm = join_trainer(address, port, world_size, self.source.device)
+
+    def pack(self, export: BucketExport):
+        return send(export)
+
+    def broadcast(self) -> None:
+        broadcast(self.comm, self.export)
+
+
+class NcclReceiver(Ops):
+    """Engine half: `join` the trainer's group (once), then `load` each broadcast bucket."""
+
+    OPS = ("join", "load")
+
+    def __init__(self, worker):
+        self.worker, self.comm = worker, None
+
+    def join(self, address: str, port: int, rank_offset: int, world_size: int) -> None:
+        self.comm = join_engine(self.worker, address, port, rank_offset, world_size)
+
+    def load(self, layout: Layout, nbytes: int) -> int:
+        return receive(self.worker, self.comm, layout, nbytes)
 
 
 class NcclTransport(Transport):
     name = "nccl"
+    exporter, receiver = NcclExporter, NcclReceiver
 
     def __init__(self, peers, bucket_bytes: int):
         super().__init__(peers, bucket_bytes)
@@ -25,22 +64,23 @@ class NcclTransport(Transport):
         def deliver(parts: list) -> None:
             layout, nbytes = parts[0]
             self.peers.get(
-                [rank0.broadcast_bucket.remote()] + [e.load_weights_nccl.remote(layout, nbytes) for e in engines],
+                [rank0.weights.remote("broadcast")]
+                + [e.weights.remote(self.name, "load", layout, nbytes) for e in engines],
                 ["trainer rank 0"] + [f"vLLM engine {i}" for i in range(len(engines))],
                 "the NCCL weight broadcast",
             )
 
-        bucket_loop(self.peers, self.bucket_bytes, "next_nccl_bucket", deliver)
+        bucket_loop(self.peers, self.bucket_bytes, deliver)
 
     def _rendezvous(self, rank0, engines: list) -> None:
-        address, port = self.peers.get([rank0.free_address.remote()], ["trainer rank 0"], "free_address")[0]
+        address, port = self.peers.get([rank0.weights.remote("free_address")], ["trainer rank 0"], "free_address")[0]
         tp = self.peers.trainer.cfg.rollout.engine_tensor_parallel_size
         world = 1 + tp * len(engines)
         self.peers.get(
-            [rank0.init_weight_group.remote(address, port, world)]
-            + [e.init_weight_group.remote(address, port, 1 + i * tp, world) for i, e in enumerate(engines)],
+            [rank0.weights.remote("join", address, port, world)]
+            + [e.weights.remote(self.name, "join", address, port, 1 + i * tp, world) for i, e in enumerate(engines)],
             ["trainer rank 0"] + [f"vLLM engine {i}" for i in range(len(engines))],
-            "init_weight_group (NCCL rendezvous)",
+            "joining the NCCL weight group (rendezvous)",
         )
 
 

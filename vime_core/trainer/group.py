@@ -47,11 +47,8 @@ class TrainerGroup:
         )
         return {**metrics, **done[0]}
 
-    def export_hf_weights(self) -> list:
-        return self.call_all("export_hf_weights")[0]
-
     def weights_checksum(self) -> float:
-        return sum(self.call_all("weights_checksum"))
+        return sum(self.call_all("checksum"))
 
     def save_checkpoint(self, ckpt_dir: str) -> None:
         self.call_all("save_checkpoint", ckpt_dir)

@@ -1,6 +1,6 @@
 """One trainer rank, the Ray actor (`Trainer`, created by cluster.create_trainers, driven by `TrainerGroup`): its setup
-(process group, megatron's parallel state, the model build), the weight-export RPC entry points of the transports in
-vime_core/sync/, colocated memory, and its info. The training step is `TrainStep` (vime_core.trainer.step), the
+(process group, megatron's parallel state, the model build), its one door for weights (`weights`: an op of the run's
+transport exporter in vime_core/sync/), colocated memory, and its info. The training step is `TrainStep` (vime_core.trainer.step), the
 checkpoint I/O `RankCheckpoint` (vime_core.trainer.checkpoint_io), both mixed in here so that the actor is one object.
 
 Optimizers (vime_core.trainer.optim): torch AdamW (every platform; the only one on CPU, where megatron's optimizer is
@@ -21,8 +21,7 @@ import torch.distributed as dist
 
 from vime_core.config import RunConfig
 from vime_core.schedule import cpu_threads, ray_node_id
-from vime_core.sync import cpu as sync_cpu, cuda_ipc, nccl
-from vime_core.sync.base import BucketExport, hf_named, release_device_cache
+from vime_core.sync.base import WeightSource
 from vime_core.trainer.checkpoint_io import RankCheckpoint
 from vime_core.trainer.optim import make_optimizer
 from vime_core.trainer.step import TrainStep
@@ -51,6 +50,7 @@ class Trainer(TrainStep, RankCheckpoint):
         apply_megatron_compat()  # imports megatron: with defer_start, this overlaps the engines' start
         self.cfg, self.rank, self.world_size, self.platform = cfg, rank, world_size, platform
         self._pending: tuple | None = (model_dir, master_addr, master_port, init_checkpoint)
+        self.exporter = None  # this rank's half of the weight transport, made on the first push (`weights`)
         if not defer_start:
             self.start()
 
@@ -158,7 +158,7 @@ class Trainer(TrainStep, RankCheckpoint):
         self.step = 0  # optimizer steps taken; the LR schedule is a function of it
         self._init_memory()
 
-    # -- weights out: the trainer halves of vime_core/sync/ (collective over trainer ranks, called in lockstep) -------
+    # -- weights out: this rank's half of the run's weight transport (vime_core/sync/) ----------------------------------
     def _full_weights(self) -> tuple[Iterator[tuple[str, torch.Tensor]], Callable]:
         """(megatron name, full tensor) of every parameter (a collective walk), and the megatron -> HF mapping."""
         from vime_core.megatron_model import iter_full_weights
@@ -168,40 +168,23 @@ class Trainer(TrainStep, RankCheckpoint):
             spec_of(self.arch).mapping().mcore_param_to_hf, arch=self.arch
         )
 
-    def export_hf_weights(self) -> list[tuple[str, torch.Tensor]] | None:
-        """`cpu`: full HF-named weights (CPU tensors) on global rank 0, None elsewhere. Collective over all ranks."""
-        return sync_cpu.send(*self._full_weights(), self.rank == 0)
+    def weights(self, op: str, *args):
+        """The trainer's one door for weights: runs `op` of this run's transport exporter (vime_core/sync/<transport>:
+        `export`, or `begin` / `next` / `end` and NCCL's `free_address` / `join` / `broadcast`); collective over the
+        trainer ranks, which the push calls in lockstep."""
+        if self.exporter is None:
+            from vime_core.megatron_model import DTYPES
+            from vime_core.sync import resolve_strategy, transport_class
 
-    def begin_weight_export(self, bucket_bytes: int) -> None:
-        """`cuda_ipc` / `nccl`: start a bucketed export of the HF-named weights in the engine's dtype."""
-        from vime_core.megatron_model import DTYPES
+            c = self.cfg
+            strategy = resolve_strategy(c.sync.strategy, self.platform, c.cluster.colocate)  # as the loop's WeightSync
+            source = WeightSource(
+                self._full_weights, self.rank, self.device, self.platform, DTYPES[c.model.engine_dtype]
+            )
+            self.exporter = transport_class(strategy).exporter(source)
+        return self.exporter.call(op, *args)
 
-        named = hf_named(*self._full_weights(), DTYPES[self.cfg.model.engine_dtype])
-        self._export = BucketExport(named, bucket_bytes, self.device)
-
-    def next_ipc_bucket(self):
-        """Pack the next bucket on this rank's GPU; -> (device UUID, CUDA IPC handle, layout) or None when done."""
-        return cuda_ipc.send(self._export, self.platform)
-
-    def free_address(self) -> tuple[str, int]:
-        return nccl.free_address()
-
-    def init_weight_group(self, address: str, port: int, world_size: int) -> None:
-        """Rank 0 joins the NCCL group it shares with every engine worker (vLLM's stateless group)."""
-        self._weight_comm = nccl.join_trainer(address, port, world_size, self.device)
-
-    def next_nccl_bucket(self):
-        """Pack the next bucket; -> (layout, nbytes) or None. Rank 0 then broadcasts it (`broadcast_bucket`)."""
-        return nccl.send(self._export)
-
-    def broadcast_bucket(self) -> None:
-        nccl.broadcast(self._weight_comm, self._export)
-
-    def end_weight_export(self) -> None:
-        self._export = None
-        release_device_cache(self.device)
-
-    def weights_checksum(self) -> float:
+    def checksum(self) -> float:
         """Sum of |w| over this rank's parameters (tests use it to see that weights changed)."""
         return float(sum(p.detach().float().abs().sum() for p in self.module.parameters()))
 
