@@ -272,6 +272,7 @@ def tracking_sink(cfg):
     if not cfg.tracking.enabled:
         return None, None
     from vime_core.config import flatten
+    from vime_core.redact import redact
     from vime_core.tracking import MlflowRun, resolve_tracking_uri, safe_params
 
     uri = resolve_tracking_uri(cfg)
@@ -285,7 +286,8 @@ def tracking_sink(cfg):
         artifact_root=cfg.output_dir.resolve().parent / "mlartifacts",
     )
     run.log_params(safe_params(flatten(cfg)))
-    return run, {"mlflow_run_id": run.run_id, "tracking_uri": uri}
+    # the URI as shown and stored in every checkpoint: its password masked (a resume reads only the run id)
+    return run, {"mlflow_run_id": run.run_id, "tracking_uri": redact(uri)}
 
 
 @builtin_app.command("build")

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from vime_core.errors import TransientError, VimeError
 from vime_core.platform import apply_offline_env, device_facts
+from vime_core.redact import has_credentials, redact
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,8 @@ def mlflow_client(uri: str):
     # fail in seconds, not after minutes of retries, when a server is down
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    if has_credentials(uri):  # MLflow's "View run at <uri>/#/..." line prints the URI as given, password included
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
@@ -153,17 +156,20 @@ def check_reachable(uri: str) -> None:
         mlflow_client(uri).search_experiments(max_results=1)
     except Exception as e:
         raise TrackingUnreachableError(
-            f"MLflow tracking store {uri} cannot be reached ({type(e).__name__}: {str(e)[:200]}); start the server, "
-            "fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.enabled=false"
+            redact(
+                f"MLflow tracking store {uri} cannot be reached ({type(e).__name__}: {str(e)[:200]}); start the "
+                "server, fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.enabled=false"
+            )
         ) from None
 
 
 def safe_params(flat: dict[str, Any]) -> dict[str, str]:
-    """Flattened config as MLflow params; any field that looks like a secret is redacted."""
+    """Flattened config as MLflow params; any field that looks like a secret is redacted, and so is a credential
+    inside any value (`tracking.uri = http://alice:***@host`)."""
     out = {}
     for k, v in flat.items():
         leaf = k.rsplit(".", 1)[-1].lower()
-        out[k] = "***" if any(w in leaf for w in SECRET_WORDS) and v else str(v)[:500]
+        out[k] = "***" if any(w in leaf for w in SECRET_WORDS) and v else redact(str(v))[:500]
     return out
 
 
@@ -225,7 +231,7 @@ class MlflowRun:
                 for k, v in EXPERIMENT_KIND.items():
                     if exp.tags.get(k) != v:
                         self.client.set_experiment_tag(exp_id, k, v)
-            all_tags = dict(tags or {})
+            all_tags = {k: redact(str(v)) for k, v in (tags or {}).items()}
             if parent_run_id:
                 all_tags["mlflow.parentRunId"] = parent_run_id
             self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=all_tags).info.run_id
@@ -260,7 +266,7 @@ class MlflowRun:
             f"{k}: {existing[k]} -> {v}" for k, v in sorted(params.items()) if k in existing and existing[k] != v
         ]
         if changed:
-            self.client.set_tag(self.run_id, "vime.params_changed", "; ".join(changed)[:5000])
+            self.client.set_tag(self.run_id, "vime.params_changed", redact("; ".join(changed))[:5000])
         return changed
 
     def log_datasets(self, datasets: list[dict[str, str]]) -> None:
@@ -283,10 +289,10 @@ class MlflowRun:
 
     def set_tags(self, tags: dict[str, str]) -> None:
         for k, v in tags.items():
-            self.client.set_tag(self.run_id, k, v)
+            self.client.set_tag(self.run_id, k, redact(str(v)))
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
+        self.client.log_text(self.run_id, redact(text), artifact_file)
 
     def log_dir(self, local_dir: Path, artifact_path: str) -> str:
         """Copy a directory into the run's artifacts, or log a reference to it when it is large. Returns the
