@@ -145,10 +145,12 @@ def train(
 ) -> None:
     """Run the GRPO loop (rollout -> train -> sync) directly, without Prefect."""
     from vime_core.orphans import start_watchdog
+    from vime_core.prepare import check_before_start
     from vime_core.runlock import output_dir_lock
 
     _setup_logging(verbose)
     cfg = _load(config, overrides)
+    check_before_start(cfg, metrics_out)
     start_watchdog()  # a SIGKILLed `vime train` takes Ray's processes and the actors' helpers with it
     # the lock before the sinks: a second `vime train` on a busy output_dir must fail before it opens an MLflow run
     # or moves the running one's --metrics-out file aside (the loop takes the lock again: it is re-entrant)

@@ -27,6 +27,7 @@ import threading
 from fractions import Fraction
 from typing import Any, Callable, Sequence
 
+from vime_core.errors import VimeError
 from vime_core.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -234,6 +235,24 @@ def load_callable(spec: str) -> Callable[..., Any]:
     return fn
 
 
+class RewardError(VimeError, ValueError):
+    """rollout.reward cannot be loaded, or the function failed or returned something that is not a number; the
+    message names the function (and the prompt and value)."""
+
+
+def load_reward(spec: str) -> Callable[..., Any]:
+    """The function named by rollout.reward (checked in `prepare`, before any actor starts); RewardError naming the
+    setting and the problem otherwise: a missing module or attribute, a module whose import fails."""
+    try:
+        return load_callable(spec)
+    except Exception as e:  # ImportError (load_callable says ValueError), SyntaxError, a failing module body
+        detail = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
+        raise RewardError(
+            f"rollout.reward = {spec!r} cannot be loaded: {detail}; set rollout.reward to `math` or to "
+            "`package.module:function` importable from the working directory or PYTHONPATH"
+        ) from e
+
+
 class RewardModel:
     """Scores groups of samples in place (sets `sample.reward`), each call within `timeout_s`."""
 
@@ -245,7 +264,7 @@ class RewardModel:
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
         self.spec, self.reward_type, self.strict, self.timeout_s = spec, reward_type, strict_format, timeout_s
-        self.fn = None if spec == "math" else load_callable(spec)
+        self.fn = None if spec == "math" else load_reward(spec)
 
     def score(self, groups: Sequence[Sequence[Sample]]) -> None:
         if self.fn is None:

@@ -11,10 +11,13 @@ import json
 import logging
 import math
 import os
+import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from vime_core.errors import TransientError, VimeError
 from vime_core.platform import apply_offline_env, device_facts
@@ -47,6 +50,23 @@ class MetricsSink(Protocol):
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None: ...
 
     def close(self) -> None: ...
+
+
+class MetricsPathError(VimeError, ValueError):
+    """`--metrics-out` names something that cannot be a metrics file; the message names it."""
+
+
+def check_metrics_path(path: Path) -> None:
+    """`--metrics-out` can be a file: not a directory, its parent not a file (found before the run starts; the sink
+    opens the file at the first step, 20+ s in)."""
+    path = Path(path)
+    if path.is_dir():
+        raise MetricsPathError(f"--metrics-out {path} is a directory; give a file path, e.g. {path / 'metrics.jsonl'}")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise MetricsPathError(f"--metrics-out {path}: {parent} is a file, not a directory; choose another path")
+    if parent is not None and not os.access(parent, os.W_OK):
+        raise MetricsPathError(f"--metrics-out {path}: {parent} is not writable; choose another path")
 
 
 class JsonlSink:
@@ -159,6 +179,32 @@ def check_reachable(uri: str) -> None:
             redact(
                 f"MLflow tracking store {uri} cannot be reached ({type(e).__name__}: {str(e)[:200]}); start the "
                 "server, fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.enabled=false"
+            )
+        ) from None
+
+
+SOCKET_TIMEOUT_S = 1.0  # a loopback or LAN server answers a connect in milliseconds
+
+
+def check_tracking_socket(uri: str) -> None:
+    """For an http(s) tracking URI: something accepts a TCP connection on its host and port within a second, checked
+    before Ray and the actors start (MLflow's own first request takes 2-3 s of import, then up to its timeout and
+    retries). Skipped when a proxy is configured for the URI's scheme (then the proxy connects, not us)."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    if urllib.request.getproxies().get(parts.scheme) and not urllib.request.proxy_bypass(parts.hostname):
+        return
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        socket.create_connection((parts.hostname, port), timeout=SOCKET_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:  # ValueError: a port out of range
+        reason = "timed out" if isinstance(e, socket.timeout) else getattr(e, "strerror", None) or str(e)
+        raise TrackingUnreachableError(
+            redact(
+                f"MLflow tracking store {uri} cannot be reached (nothing accepted a connection on "
+                f"{parts.hostname}:{parts.port or 'default port'}: {reason}); start the server, fix tracking.uri / "
+                "MLFLOW_TRACKING_URI, or set tracking.enabled=false"
             )
         ) from None
 
