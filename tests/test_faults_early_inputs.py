@@ -210,3 +210,50 @@ def test_vllm_argument_values_are_checked_at_load(tmp_path, override, named):
 def test_valid_vllm_argument_values_pass(tmp_path):
     cfg = tiny_config(tmp_path, "rollout.vllm_kwargs.max_num_seqs=4", "rollout.vllm_kwargs.cpu_offload_gb=0.5")
     assert cfg.rollout.vllm_kwargs == {"max_num_seqs": 4, "cpu_offload_gb": 0.5}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# notes at start: a sample over the micro-batch budget, a dataset smaller than one rollout batch
+# --------------------------------------------------------------------------------------------------------------------
+SMALL = ("rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4", "train.global_batch_size=16")
+NOTES = ("note: train.max_tokens_per_device = 32 is below the longest possible sample", "note: the dataset builtin://")
+
+
+def test_prepare_notes_a_small_budget_and_a_small_dataset_once(tmp_path, caplog):
+    import logging
+
+    from vime_core.prepare import prepare
+
+    cfg = tiny_config(tmp_path, *SMALL, "train.max_tokens_per_device=32", "data.source=builtin://arith?size=3")
+    with caplog.at_level(logging.WARNING, logger="vime_core.prepare"):
+        prepare(cfg)
+    notes = [r.getMessage() for r in caplog.records if r.getMessage().startswith("note: ")]
+    assert len(notes) == 2 and notes[0].startswith(NOTES[0]) and notes[1].startswith(NOTES[1]), notes
+    assert "a sample over the budget is trained alone" in notes[0] and "+ rollout.max_response_len 48" in notes[0]
+    assert "has 3 prompts, fewer than one rollout batch (4 prompts): every step wraps around" in notes[1]
+
+
+def test_no_note_for_the_default_run(tmp_path, caplog):
+    import logging
+
+    from vime_core.prepare import prepare
+
+    with caplog.at_level(logging.WARNING, logger="vime_core.prepare"):
+        prepare(tiny_config(tmp_path))
+    assert not [r for r in caplog.records if r.getMessage().startswith("note: ")]
+
+
+@pytest.mark.e2e
+def test_vime_train_prints_each_note_once(tmp_path):
+    """Two steps (each one re-reads the budget and wraps the data): each note is printed once, at start."""
+    args = [a for o in SMALL for a in ("--set", o)]
+    r = vime_train(
+        tmp_path,
+        *args,
+        *("--set", "train.max_tokens_per_device=32", "--set", "data.source=builtin://arith?size=3"),
+        *("--set", "rollout.num_rollout=2", "--set", "eval.datasets=[]"),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "step 2/2" in r.stdout
+    assert [r.stderr.count(n) for n in NOTES] == [1, 1], r.stderr[-3000:]
+    assert r.stderr.index(NOTES[1]) < r.stderr.index("trainer and engines ready"), "said at start"

@@ -7,6 +7,7 @@ Below both the loop and the evaluation entry point (each calls `prepare`), so ne
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from vime_core.models import arch_from_hf_config, check_model_compat
 from vime_core.rewards import RewardModel, load_reward, usable_labels
 from vime_core.sources import SourceError, dataset_path, resolve_model
 from vime_core.tracking import check_metrics_path, check_tracking_socket, resolve_tracking_uri
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -71,6 +74,9 @@ def prepare(cfg: RunConfig, model_dir: Path | None = None, eval_only: bool = Fal
     if cfg.rollout.reward == "math":  # labels the verifier cannot read score 0 everywhere: count, warn, refuse all-bad
         for ps in [prompts, *eval_sets.values()]:
             check_labels(ps, usable_labels, cfg.data.label_key)
+    if not eval_only:
+        for note in run_notes(cfg, prompts):
+            log.warning(note)
     return Prepared(cfg, platform, model_dir, tokenizer, prompts, eval_sets, reward_model)
 
 
@@ -104,6 +110,30 @@ def local_model_dir(source: str) -> Path | None:
         return builtin_model_path(source.removeprefix("builtin://"))
     path = Path(source).expanduser()
     return path if "://" not in source and path.is_dir() else None
+
+
+def run_notes(cfg: RunConfig, prompts: PromptSet) -> list[str]:
+    """What a run does that its settings may not make obvious, said once at start (both ran without a word): a
+    sample longer than the micro-batch budget, and a dataset smaller than one rollout batch."""
+    notes = []
+    budget, longest = cfg.train.max_tokens_per_device, max((len(p.prompt_ids) for p in prompts.prompts), default=0)
+    if budget < longest + cfg.rollout.max_response_len:
+        notes.append(
+            f"note: train.max_tokens_per_device = {budget} is below the longest possible sample, "
+            f"{longest + cfg.rollout.max_response_len} tokens (longest prompt {longest} + rollout.max_response_len "
+            f"{cfg.rollout.max_response_len}): a sample over the budget is trained alone in a micro-batch of its own "
+            f"(its memory is that of its length, not of the budget); raise train.max_tokens_per_device to "
+            f"{longest + cfg.rollout.max_response_len} to keep every micro-batch within it"
+        )
+    r = cfg.rollout
+    batch = max(r.rollout_batch_size, r.over_sampling_batch_size or 0) if r.dynamic_sampling else r.rollout_batch_size
+    if len(prompts) and len(prompts) < batch:
+        notes.append(
+            f"note: the dataset {cfg.data.source} has {len(prompts)} prompts, fewer than one rollout batch "
+            f"({batch} prompts): every step wraps around into the next epoch, so a step holds some prompts more "
+            "than once, each as a group of its own"
+        )
+    return notes
 
 
 def preflight(cfg: RunConfig, platform: str, model_dir: Path, eval_only: bool) -> None:
