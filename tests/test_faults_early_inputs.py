@@ -69,11 +69,15 @@ CASES = {
     ),
     "generate hook import raises": (
         ["rollout.custom_generate=tests.helpers.broken_on_import:gen"],
-        ["CustomGenerateError: rollout.custom_generate", "RuntimeError: broken on purpose at import"],
+        ["CustomGenerateError: rollout.custom_generate", "RuntimeError: broken on purpose at import", "fix the module"],
     ),
     "generate hook module": (
         ["rollout.custom_generate=tests.helpers.no_such_module:gen"],
-        ["CustomGenerateError: rollout.custom_generate", "No module named 'tests.helpers.no_such_module'"],
+        [
+            "CustomGenerateError: rollout.custom_generate",
+            "No module named 'tests.helpers.no_such_module'",
+            "PYTHONPATH",
+        ],
     ),
     "context length": (
         ["rollout.max_response_len=600"],
