@@ -114,3 +114,24 @@ def test_a_password_in_tracking_uri_is_stored_and_printed_nowhere(tmp_path):
     assert len(states) >= 2, "checkpoints were written"
     files = [p for p in out.rglob("*") if p.is_file()]
     assert not [p for p in files if PASSWORD.encode() in p.read_bytes()], "password in a file under output_dir"
+
+
+def test_an_mlflow_run_stores_no_credential(tmp_path):
+    """The MlflowRun sink on a local store: tags at creation and later, text artifacts, dataset sources."""
+    from mlflow.tracking import MlflowClient
+
+    from vime_core.tracking import MlflowRun
+
+    secret_uri = f"https://alice:{PASSWORD}@data.example/train.jsonl?token=tok-{PASSWORD}"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run = MlflowRun(uri, "creds", tags={"vime.model.source": secret_uri}, artifact_root=tmp_path / "art")
+    run.set_tags({"vime.data": secret_uri})
+    run.log_text(f"tracking:\n  uri: {secret_uri}\n", "config.yaml")
+    run.log_datasets([{"name": "train", "source": secret_uri, "digest": "d1", "context": "training"}])
+    got = MlflowClient(uri).get_run(run.run_id)
+    assert got.data.tags["vime.model.source"] == "https://alice:***@data.example/train.jsonl?token=***"
+    assert got.data.tags["vime.data"] == got.data.tags["vime.model.source"]
+    assert [d.dataset.source for d in got.inputs.dataset_inputs] == [got.data.tags["vime.data"]]
+    stored = [p for p in (tmp_path / "art").rglob("*") if p.is_file()]
+    assert stored and not [p for p in stored if PASSWORD.encode() in p.read_bytes()]
+    assert PASSWORD.encode() not in (tmp_path / "mlflow.db").read_bytes()

@@ -325,7 +325,7 @@ class MlflowRun:
                     d["name"],
                     d["digest"],
                     d["source"].split("://", 1)[0] if "://" in d["source"] else "local",
-                    d["source"],
+                    redact(d["source"]),
                 ),
                 tags=[InputTag("mlflow.data.context", d["context"])],
             )
