@@ -91,6 +91,7 @@ CASES = {
         ["rollout.vllm_kwargs.max_num_seqs=0"],
         ["rollout.vllm_kwargs.max_num_seqs = 0: vLLM needs an integer >= 1"],
     ),
+    "unknown builtin model": (["model.source=builtin://nope"], ["SourceError: unknown builtin model 'nope'"]),
     "tracking server down": (
         ["tracking.enabled=true", "tracking.uri=http://127.0.0.1:9"],  # port 9 (discard): nothing listens
         ["TrackingUnreachableError: MLflow tracking store http://127.0.0.1:9 cannot be reached", "tracking.enabled"],

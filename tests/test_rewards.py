@@ -255,56 +255,6 @@ def test_reward_model_group_reward_not_a_list(groups):
         RewardModel(f"{HELPERS}:scalar_group", reward_type="group").score(groups)
 
 
-@pytest.mark.parametrize(
-    "fn, shown",
-    [
-        ("not_a_number", r"'high' \(str\)"),
-        ("returns_none", r"None \(NoneType\)"),
-        ("string_number", r"'1.0' \(str\)"),
-        ("returns_true", r"True \(bool\)"),
-    ],
-)
-def test_reward_model_non_number(groups, fn, shown):
-    """The function, the prompt index and the value, as one RewardError (a VimeError: one line, exit 2)."""
-    from vime_core.rewards import RewardError
-
-    groups[0][0].metadata["index"] = 11
-    with pytest.raises(
-        RewardError,
-        match=rf"reward function {HELPERS}:{fn} returned {shown} for the sample of prompt 11 \(group 0, label '5'\), "
-        "not a number; return an int or a float",
-    ):
-        RewardModel(f"{HELPERS}:{fn}").score(groups)
-
-
-def test_group_reward_of_strings_is_refused(groups):
-    from vime_core.rewards import RewardError
-
-    with pytest.raises(RewardError, match=r"strings_for_group returned '1' \(str\) for the sample of prompt"):
-        RewardModel(f"{HELPERS}:strings_for_group", reward_type="group").score(groups)
-
-
-def test_numpy_numbers_are_rewards(groups):
-    RewardModel(f"{HELPERS}:numpy_values").score(groups)
-    assert _rewards(groups) == [[2.0, 2.0], [0.5]]
-    assert all(type(s.reward) is float for g in groups for s in g)
-
-
-def test_a_reward_that_raises_names_the_function_prompt_and_error(groups):
-    from vime_core.errors import TransientError, VimeError
-    from vime_core.rewards import RewardCallError
-
-    groups[0][1].metadata["index"] = 4
-    with pytest.raises(RewardCallError) as e:
-        RewardModel(f"{HELPERS}:raises_on_long").score(groups)
-    assert str(e.value) == (
-        f"reward function {HELPERS}:raises_on_long raised KeyError: \"no score for 'abcd'\" on the sample of prompt 4 "
-        "(group 0, label '5'); fix the function"
-    )
-    assert isinstance(e.value.__cause__, KeyError), "the user's traceback is kept (shown under --debug)"
-    assert isinstance(e.value, VimeError) and isinstance(e.value, TransientError), "one line; a pipeline retries"
-
-
 def test_reward_model_bad_spec_fails_at_construction():
     with pytest.raises(ValueError, match="cannot import module"):
         RewardModel("tests.helpers.no_such_module:f")

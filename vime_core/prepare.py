@@ -107,7 +107,10 @@ def check_before_start(cfg: RunConfig, metrics_out: Path | None = None) -> None:
 def local_model_dir(source: str) -> Path | None:
     """The directory of a builtin (cached: built on first use) or local model; None for one to download."""
     if source.startswith("builtin://"):
-        return builtin_model_path(source.removeprefix("builtin://"))
+        try:
+            return builtin_model_path(source.removeprefix("builtin://"))
+        except ValueError as e:  # an unknown name, as resolve_model reports it
+            raise SourceError(str(e)) from None
     path = Path(source).expanduser()
     return path if "://" not in source and path.is_dir() else None
 
