@@ -34,6 +34,7 @@ from tasks.register import export_hf, register_model
 from tasks.tracking import finish_tracking, start_tracking, tracking_target
 from tasks.train import start_fresh, train_grpo
 from vime_core.config import RunConfig, load_config
+from vime_core.redact import redact
 from vime_core.runlock import output_dir_lock
 
 NOTHING_TRAINED = "NothingTrained"  # the Prefect state name (type COMPLETED) of a run that trained nothing new
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in summary.items():
         print(f"  {k}: {v:.4f}" if isinstance(v, float) else f"  {k}: {v}")
     uri = tracking_target(cfg)[0]
-    print(f"\nOpen the MLflow UI:  .venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000")
+    print(redact(f"\nOpen the MLflow UI:  .venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"))
     return 0
 
 

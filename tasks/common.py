@@ -9,6 +9,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.tasks import exponential_backoff
 
 from vime_core.config import RunConfig, config_from_dict
+from vime_core.redact import redact
 
 RETRY_DELAYS = exponential_backoff(backoff_factor=5)  # 5 s, 10 s, 20 s, ...
 
@@ -58,8 +59,9 @@ def artifact_key(*parts: str) -> str:
 
 
 def markdown(title: str, rows: dict[str, Any], key: str, note: str = "") -> None:
+    """A Prefect markdown artifact of `rows`; a credential in any value (a URI's password) is masked."""
     lines = [f"## {title}", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v:.4f} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in rows.items()]
     if note:
         lines += ["", note]
-    create_markdown_artifact(markdown="\n".join(lines), key=key, description=title)
+    create_markdown_artifact(markdown=redact("\n".join(lines)), key=key, description=redact(title))

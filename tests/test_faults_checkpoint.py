@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from collections import namedtuple
 from pathlib import Path
 
@@ -261,3 +262,78 @@ def test_a_real_enospc_from_torch_save_is_translated(tmp_path):
         assert e.value.__cause__ is not None
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# checkpoints without a manifest (written before manifests, or the manifest lost): their files' own formats
+# --------------------------------------------------------------------------------------------------------------------
+def real_save(ckpt: Checkpointer, rollout_id: int, manifest: bool = True, fingerprint: dict | None = None) -> Path:
+    """The formats a trainer save writes: model/ by torch.distributed.checkpoint (`.distcp` shards + `.metadata`),
+    optimizer/ and rng/ by torch.save, hf_config/config.json; then state.json and the manifest (removed unless
+    `manifest`)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    tmp = ckpt.begin(rollout_id)
+    torch.manual_seed(rollout_id)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...: assuming ... a single process": it is
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save({"w": torch.randn(64, 64), "b": torch.randn(64)}, checkpoint_id=str(tmp / "model"), no_dist=True)
+    for sub in ("optimizer", "rng"):
+        (tmp / sub).mkdir()
+        torch.save({"x": torch.randn(32)}, tmp / sub / "rank_00000.pt")
+    (tmp / "hf_config").mkdir()
+    (tmp / "hf_config" / "config.json").write_text('{"vocab_size": 384}')
+    final = ckpt.commit(tmp, rollout_id, {"fingerprint_fields": fingerprint or {}, "data_buffer": {}})
+    if not manifest:
+        (final / MANIFEST).unlink()
+    return final
+
+
+def shard_of(d: Path) -> Path:
+    (shard,) = (d / "model").glob("*.distcp")
+    return shard
+
+
+def test_an_intact_checkpoint_without_manifest_is_used(tmp_path, caplog):
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep_last=5)
+    real_save(ckpt, 1, manifest=False)
+    newest = real_save(ckpt, 3, manifest=False)
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.latest() == newest
+    assert "damaged" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "damage, named",
+    [
+        (lambda d: truncate(shard_of(d)), "model/__0_0.distcp has 100 bytes, its .metadata needs "),
+        (lambda d: shard_of(d).unlink(), "model/__0_0.distcp is missing"),
+        (lambda d: truncate(d / "model" / ".metadata"), "model/.metadata is unreadable"),
+        (lambda d: truncate(d / "optimizer" / "rank_00000.pt"), "optimizer/rank_00000.pt is truncated or corrupt"),
+        (lambda d: (d / "hf_config" / "config.json").write_text('{"vocab'), "hf_config/config.json is unreadable"),
+    ],
+)
+@pytest.mark.parametrize("previous_has_manifest", [True, False])
+def test_a_damaged_checkpoint_without_manifest_falls_back(tmp_path, caplog, damage, named, previous_has_manifest):
+    ckpt = Checkpointer(tmp_path / "checkpoints", keep_last=5)
+    previous = real_save(ckpt, 1, manifest=previous_has_manifest)
+    damage(real_save(ckpt, 3, manifest=False))
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.latest() == previous
+    assert named in caplog.text and iter_name(3) in caplog.text
+    kept = [p.name for p in ckpt.dir.iterdir() if ".damaged-" in p.name]
+    assert len(kept) == 1 and kept[0].startswith(iter_name(3)), "set aside, renamed, as a damaged one is"
+
+
+def test_resume_point_skips_a_manifestless_checkpoint_with_a_cut_shard(tmp_path, caplog):
+    from vime_core.loop import resume_point
+
+    cfg = tiny_config(tmp_path)
+    ckpt = Checkpointer(cfg.save_dir, keep_last=5)
+    real_save(ckpt, 1, fingerprint=cfg.fingerprint_fields())
+    newest = real_save(ckpt, 3, manifest=False, fingerprint=cfg.fingerprint_fields())
+    truncate(shard_of(newest))
+    with caplog.at_level(logging.WARNING):
+        path, state = resume_point(cfg)
+    assert path.name == iter_name(1) and state["rollout_id"] == 1

@@ -246,19 +246,13 @@ def test_reward_model_async_group_reward(groups):
 
 
 def test_reward_model_group_reward_wrong_count(groups):
-    with pytest.raises(ValueError, match=r"returned 1 rewards for a group of 2"):
+    with pytest.raises(ValueError, match=r"returned 1 rewards for a group of 2 \(the group of prompt"):
         RewardModel(f"{HELPERS}:short_group", reward_type="group").score(groups)
 
 
 def test_reward_model_group_reward_not_a_list(groups):
-    with pytest.raises(ValueError, match=r"returned 1.0, not a list of rewards"):
+    with pytest.raises(ValueError, match=r"returned 1.0 for the group of prompt \? \(group 0, label '5'\), not a list"):
         RewardModel(f"{HELPERS}:scalar_group", reward_type="group").score(groups)
-
-
-@pytest.mark.parametrize("fn, shown", [("not_a_number", "'high'"), ("returns_none", "None")])
-def test_reward_model_non_number(groups, fn, shown):
-    with pytest.raises(ValueError, match=rf"reward function {HELPERS}:{fn} returned {shown}, not a number"):
-        RewardModel(f"{HELPERS}:{fn}").score(groups)
 
 
 def test_reward_model_bad_spec_fails_at_construction():

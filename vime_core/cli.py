@@ -145,10 +145,12 @@ def train(
 ) -> None:
     """Run the GRPO loop (rollout -> train -> sync) directly, without Prefect."""
     from vime_core.orphans import start_watchdog
+    from vime_core.prepare import check_before_start
     from vime_core.runlock import output_dir_lock
 
     _setup_logging(verbose)
     cfg = _load(config, overrides)
+    check_before_start(cfg, metrics_out)
     start_watchdog()  # a SIGKILLed `vime train` takes Ray's processes and the actors' helpers with it
     # the lock before the sinks: a second `vime train` on a busy output_dir must fail before it opens an MLflow run
     # or moves the running one's --metrics-out file aside (the loop takes the lock again: it is re-entrant)
@@ -272,6 +274,7 @@ def tracking_sink(cfg):
     if not cfg.tracking.enabled:
         return None, None
     from vime_core.config import flatten
+    from vime_core.redact import redact
     from vime_core.tracking import MlflowRun, resolve_tracking_uri, safe_params
 
     uri = resolve_tracking_uri(cfg)
@@ -285,7 +288,8 @@ def tracking_sink(cfg):
         artifact_root=cfg.output_dir.resolve().parent / "mlartifacts",
     )
     run.log_params(safe_params(flatten(cfg)))
-    return run, {"mlflow_run_id": run.run_id, "tracking_uri": uri}
+    # the URI as shown and stored in every checkpoint: its password masked (a resume reads only the run id)
+    return run, {"mlflow_run_id": run.run_id, "tracking_uri": redact(uri)}
 
 
 @builtin_app.command("build")

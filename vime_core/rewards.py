@@ -21,12 +21,14 @@ import importlib
 import inspect
 import logging
 import math
+import numbers
 import queue
 import re
 import threading
 from fractions import Fraction
 from typing import Any, Callable, Sequence
 
+from vime_core.errors import TransientError, VimeError
 from vime_core.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -234,6 +236,29 @@ def load_callable(spec: str) -> Callable[..., Any]:
     return fn
 
 
+class RewardError(VimeError, ValueError):
+    """rollout.reward cannot be loaded, or the function failed or returned something that is not a number; the
+    message names the function (and the prompt and value)."""
+
+
+class RewardCallError(TransientError):
+    """A custom reward function raised; the message names it, the prompt and the exception (its traceback under
+    --debug). Transient: a pipeline task retries it, as a reward that calls a service may pass a minute later."""
+
+
+def load_reward(spec: str) -> Callable[..., Any]:
+    """The function named by rollout.reward (checked in `prepare`, before any actor starts); RewardError naming the
+    setting and the problem otherwise: a missing module or attribute, a module whose import fails."""
+    try:
+        return load_callable(spec)
+    except Exception as e:  # ImportError (load_callable says ValueError), SyntaxError, a failing module body
+        detail = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
+        raise RewardError(
+            f"rollout.reward = {spec!r} cannot be loaded: {detail}; set rollout.reward to `math` or to "
+            "`package.module:function` importable from the working directory or PYTHONPATH"
+        ) from e
+
+
 class RewardModel:
     """Scores groups of samples in place (sets `sample.reward`), each call within `timeout_s`."""
 
@@ -245,7 +270,7 @@ class RewardModel:
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ):
         self.spec, self.reward_type, self.strict, self.timeout_s = spec, reward_type, strict_format, timeout_s
-        self.fn = None if spec == "math" else load_callable(spec)
+        self.fn = None if spec == "math" else load_reward(spec)
 
     def score(self, groups: Sequence[Sequence[Sample]]) -> None:
         if self.fn is None:
@@ -260,10 +285,16 @@ class RewardModel:
             results = self._call_all([list(g) for g in groups], lambda k: _describe_group(groups[k]))
             for g, r in zip(groups, results):
                 if isinstance(r, (str, bytes)) or not hasattr(r, "__iter__"):
-                    raise ValueError(f"group reward {self.spec} returned {r!r}, not a list of rewards")
+                    raise RewardError(
+                        f"group reward {self.spec} returned {r!r} for {_describe_group(g)}, not a list of rewards; "
+                        "return one int or float per sample of the group"
+                    )
                 r = list(r)
                 if len(r) != len(g):
-                    raise ValueError(f"group reward {self.spec} returned {len(r)} rewards for a group of {len(g)}")
+                    raise RewardError(
+                        f"group reward {self.spec} returned {len(r)} rewards for a group of {len(g)} "
+                        f"({_describe_group(g)}); return one per sample"
+                    )
                 for s, v in zip(g, r):
                     s.reward = _as_float(v, self.spec, s)
         else:
@@ -295,7 +326,12 @@ class RewardModel:
             if not ok:
                 if isinstance(value, asyncio.TimeoutError):
                     raise too_slow(i) from None
-                raise value
+                if not isinstance(value, Exception):  # KeyboardInterrupt, SystemExit: as they are
+                    raise value
+                raise RewardCallError(
+                    f"reward function {self.spec} raised {type(value).__name__}: {str(value)[:300]} on "
+                    f"{describe(i)}; fix the function"
+                ) from value
             results[i] = (value,)
         return [r[0] for r in results]  # type: ignore[index]
 
@@ -342,12 +378,16 @@ def _describe_group(g: Sequence[Sample]) -> str:
 
 
 def _as_float(v: Any, spec: str, s: Sample) -> float:
-    try:
-        x = float(v)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"reward function {spec} returned {v!r}, not a number") from e
+    """A reward as a float: an int or a float (numpy's too). A bool, a string such as '1.0', None or a tensor is
+    refused: float() would take '1.0' and True silently, and a reward of True is a bug in the function."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):  # numpy's bool_ is no Real
+        raise RewardError(
+            f"reward function {spec} returned {v!r} ({type(v).__name__}) for {_describe(s)}, not a number; "
+            "return an int or a float"
+        )
+    x = float(v)
     if not math.isfinite(x):
-        raise ValueError(
+        raise RewardError(
             f"reward function {spec} returned {v!r} for {_describe(s)}: rewards must be finite numbers "
             f"(a NaN reward turns the policy's weights into NaN)"
         )

@@ -107,7 +107,11 @@ def load_custom_generate(spec: str):
         fn = load_callable(spec)
     except Exception as e:  # ImportError (load_callable says ValueError), SyntaxError, a failing module body
         detail = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
-        raise CustomGenerateError(f"rollout.custom_generate = {spec!r} cannot be loaded: {detail}") from None
+        raise CustomGenerateError(
+            f"rollout.custom_generate = {spec!r} cannot be loaded: {detail}; fix the module, or set "
+            "rollout.custom_generate to an `async def` `package.module:function` importable from the working "
+            "directory or PYTHONPATH (or remove it)"
+        ) from e
     target = getattr(fn, "__call__", fn) if not inspect.isfunction(fn) else fn
     if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(target)):
         raise CustomGenerateError(

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from vime_core.builtin import builtin_model_path, cache_dir
 from vime_core.errors import TransientError, VimeError
+from vime_core.redact import redact
 from vime_core.tracking import mlflow_client
 
 MODEL_PATTERNS = [
@@ -206,7 +207,9 @@ def download_registered_model(uri_or_spec: str, tracking_uri: str | None = None)
             name, version = spec.rsplit("/", 1)
             mv = client.get_model_version(name, version)
     except MlflowException as e:
-        raise SourceError(f"registry {tracking_uri} has no model {uri_or_spec}: {e.message.splitlines()[0]}") from None
+        raise SourceError(
+            redact(f"registry {tracking_uri} has no model {uri_or_spec}: {e.message.splitlines()[0]}")
+        ) from None
     # keyed by store + version source too: two registries (or a re-created one) both have a "name v1"
     key = hashlib.sha256(f"{tracking_uri}|{mv.source}|{mv.run_id}".encode()).hexdigest()[:12]
     target = cache_dir() / "mlflow-models" / f"{name}-v{mv.version}-{key}"

@@ -11,13 +11,17 @@ import json
 import logging
 import math
 import os
+import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from vime_core.errors import TransientError, VimeError
 from vime_core.platform import apply_offline_env, device_facts
+from vime_core.redact import has_credentials, redact
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,23 @@ class MetricsSink(Protocol):
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None: ...
 
     def close(self) -> None: ...
+
+
+class MetricsPathError(VimeError, ValueError):
+    """`--metrics-out` names something that cannot be a metrics file; the message names it."""
+
+
+def check_metrics_path(path: Path) -> None:
+    """`--metrics-out` can be a file: not a directory, its parent not a file (found before the run starts; the sink
+    opens the file at the first step, 20+ s in)."""
+    path = Path(path)
+    if path.is_dir():
+        raise MetricsPathError(f"--metrics-out {path} is a directory; give a file path, e.g. {path / 'metrics.jsonl'}")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise MetricsPathError(f"--metrics-out {path}: {parent} is a file, not a directory; choose another path")
+    if parent is not None and not os.access(parent, os.W_OK):
+        raise MetricsPathError(f"--metrics-out {path}: {parent} is not writable; choose another path")
 
 
 class JsonlSink:
@@ -142,6 +163,8 @@ def mlflow_client(uri: str):
     # fail in seconds, not after minutes of retries, when a server is down
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    if has_credentials(uri):  # MLflow's "View run at <uri>/#/..." line prints the URI as given, password included
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
@@ -153,17 +176,46 @@ def check_reachable(uri: str) -> None:
         mlflow_client(uri).search_experiments(max_results=1)
     except Exception as e:
         raise TrackingUnreachableError(
-            f"MLflow tracking store {uri} cannot be reached ({type(e).__name__}: {str(e)[:200]}); start the server, "
-            "fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.enabled=false"
+            redact(
+                f"MLflow tracking store {uri} cannot be reached ({type(e).__name__}: {str(e)[:200]}); start the "
+                "server, fix tracking.uri / MLFLOW_TRACKING_URI, or set tracking.enabled=false"
+            )
+        ) from None
+
+
+SOCKET_TIMEOUT_S = 1.0  # a loopback or LAN server answers a connect in milliseconds
+
+
+def check_tracking_socket(uri: str) -> None:
+    """For an http(s) tracking URI: something accepts a TCP connection on its host and port within a second, checked
+    before Ray and the actors start (MLflow's own first request takes 2-3 s of import, then up to its timeout and
+    retries). Skipped when a proxy is configured for the URI's scheme (then the proxy connects, not us)."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    if urllib.request.getproxies().get(parts.scheme) and not urllib.request.proxy_bypass(parts.hostname):
+        return
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        socket.create_connection((parts.hostname, port), timeout=SOCKET_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:  # ValueError: a port out of range
+        reason = "timed out" if isinstance(e, socket.timeout) else getattr(e, "strerror", None) or str(e)
+        raise TrackingUnreachableError(
+            redact(
+                f"MLflow tracking store {uri} cannot be reached (nothing accepted a connection on "
+                f"{parts.hostname}:{parts.port or 'default port'}: {reason}); start the server, fix tracking.uri / "
+                "MLFLOW_TRACKING_URI, or set tracking.enabled=false"
+            )
         ) from None
 
 
 def safe_params(flat: dict[str, Any]) -> dict[str, str]:
-    """Flattened config as MLflow params; any field that looks like a secret is redacted."""
+    """Flattened config as MLflow params; any field that looks like a secret is redacted, and so is a credential
+    inside any value (`tracking.uri = http://alice:***@host`)."""
     out = {}
     for k, v in flat.items():
         leaf = k.rsplit(".", 1)[-1].lower()
-        out[k] = "***" if any(w in leaf for w in SECRET_WORDS) and v else str(v)[:500]
+        out[k] = "***" if any(w in leaf for w in SECRET_WORDS) and v else redact(str(v))[:500]
     return out
 
 
@@ -225,7 +277,7 @@ class MlflowRun:
                 for k, v in EXPERIMENT_KIND.items():
                     if exp.tags.get(k) != v:
                         self.client.set_experiment_tag(exp_id, k, v)
-            all_tags = dict(tags or {})
+            all_tags = {k: redact(str(v)) for k, v in (tags or {}).items()}
             if parent_run_id:
                 all_tags["mlflow.parentRunId"] = parent_run_id
             self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=all_tags).info.run_id
@@ -260,7 +312,7 @@ class MlflowRun:
             f"{k}: {existing[k]} -> {v}" for k, v in sorted(params.items()) if k in existing and existing[k] != v
         ]
         if changed:
-            self.client.set_tag(self.run_id, "vime.params_changed", "; ".join(changed)[:5000])
+            self.client.set_tag(self.run_id, "vime.params_changed", redact("; ".join(changed))[:5000])
         return changed
 
     def log_datasets(self, datasets: list[dict[str, str]]) -> None:
@@ -273,7 +325,7 @@ class MlflowRun:
                     d["name"],
                     d["digest"],
                     d["source"].split("://", 1)[0] if "://" in d["source"] else "local",
-                    d["source"],
+                    redact(d["source"]),
                 ),
                 tags=[InputTag("mlflow.data.context", d["context"])],
             )
@@ -283,10 +335,10 @@ class MlflowRun:
 
     def set_tags(self, tags: dict[str, str]) -> None:
         for k, v in tags.items():
-            self.client.set_tag(self.run_id, k, v)
+            self.client.set_tag(self.run_id, k, redact(str(v)))
 
     def log_text(self, text: str, artifact_file: str) -> None:
-        self.client.log_text(self.run_id, text, artifact_file)
+        self.client.log_text(self.run_id, redact(text), artifact_file)
 
     def log_dir(self, local_dir: Path, artifact_path: str) -> str:
         """Copy a directory into the run's artifacts, or log a reference to it when it is large. Returns the

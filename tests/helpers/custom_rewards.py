@@ -51,6 +51,34 @@ def returns_none(sample: Sample):
     return None
 
 
+def string_number(sample: Sample):
+    """'1.0': float() would take it; the contract is a number."""
+    return "1.0"
+
+
+def returns_true(sample: Sample):
+    """A bool (an int subclass): a reward of True is a bug in the function, refused."""
+    return True
+
+
+def numpy_values(sample: Sample):
+    """numpy numbers are numbers: accepted."""
+    import numpy as np
+
+    return np.float32(0.5) if sample.group_id else np.int64(2)
+
+
+def raises_on_long(sample: Sample) -> float:
+    """Raises on a response longer than 2 characters (user code with a bug)."""
+    if len(sample.response) > 2:
+        raise KeyError(f"no score for {sample.response!r}")
+    return 0.0
+
+
+def strings_for_group(samples: list[Sample]) -> list:
+    return ["1"] * len(samples)
+
+
 class Namespace:
     """For `module:Namespace.method` paths."""
 

@@ -13,9 +13,9 @@ from typing import Iterable, Mapping
 
 import torch
 
-from vime_core.errors import VimeError
 from vime_core.fsutil import replacing_dir
-from vime_core.integrity import check_weights
+from vime_core.model_files import ModelFileError, check_light, weight_files
+from vime_core.model_files import read_hf_config as read_hf_config  # re-exported: callers import it from here
 
 HF_SIDE_FILES = (
     "config.json",
@@ -29,37 +29,19 @@ HF_SIDE_FILES = (
 )
 
 
-class ModelFileError(VimeError, FileNotFoundError):
-    """A model directory lacks a file it needs; the message says which and where."""
-
-
-def weight_files(model_dir: str | Path) -> list[Path]:
-    d = Path(model_dir)
-    if not d.is_dir():
-        raise ModelFileError(f"model directory {d} does not exist")
-    if not (d / "config.json").is_file():
-        raise ModelFileError(f"model directory {d} has no config.json")
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [n for n in names if not (d / n).is_file()]
-        if missing:
-            raise ModelFileError(
-                f"model directory {d}: shard(s) listed in model.safetensors.index.json are missing: {missing}"
-            )
-        return [d / n for n in names]
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise ModelFileError(
-            f"model directory {d} has no *.safetensors weights (only safetensors checkpoints are supported)"
-        )
-    return files
-
-
 def check_model_files(model_dir: str | Path) -> None:
-    """Every weights file of `model_dir` is present and as long as its safetensors header says (headers only:
-    milliseconds, in `prepare`), so a truncated download fails before any actor starts."""
-    check_weights(weight_files(model_dir))
+    """`model_files.check_light` (weights headers and sizes, the JSON files, the embedding against vocab_size), then
+    every tensor's name and shape against config.json, from the safetensors headers (no weights read). Milliseconds,
+    in `prepare`, so a truncated download or a hand-edited config fails before any actor starts."""
+    from vime_core.integrity import safetensors_shapes
+    from vime_core.models import arch_from_hf_config, spec_of
+
+    hf = check_light(model_dir)
+    arch = arch_from_hf_config(hf, where=model_dir)
+    mapping, shapes = spec_of(arch).mapping(), safetensors_shapes(weight_files(model_dir))
+    where = f"the weights of {model_dir} (safetensors headers)"
+    mapping.check_hf_names(set(shapes), arch, where=where)
+    mapping.check_shapes(shapes, arch, where=where)
 
 
 def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -72,18 +54,6 @@ def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
         except Exception as e:
             raise ModelFileError(f"cannot read weights file {f}: {e}") from e
     return out
-
-
-def read_hf_config(model_dir: str | Path) -> dict:
-    p = Path(model_dir) / "config.json"
-    if not p.is_file():
-        raise ModelFileError(f"model directory {model_dir} has no config.json")
-    try:
-        return json.loads(p.read_text())
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ModelFileError(
-            f"{p} is not valid JSON ({type(e).__name__}: {str(e)[:100]}); download or copy the model again"
-        ) from None
 
 
 def save_hf_checkpoint(

@@ -27,10 +27,42 @@ VLLM_KWARGS_SET_BY = {
 }
 
 
+# numeric vLLM engine arguments and the least value vLLM accepts (EngineArgs, 0.32): `max_num_seqs=0` passed the
+# name check and failed 20-40 s later, when the engine built its scheduler
+VLLM_KWARGS_MIN = {
+    "max_num_seqs": 1,
+    "max_num_batched_tokens": 1,
+    "block_size": 1,
+    "kv_cache_memory_bytes": 1,
+    "num_gpu_blocks_override": 1,
+    "max_loras": 1,
+    "max_lora_rank": 1,
+    "max_cpu_loras": 1,
+    "max_parallel_loading_workers": 1,
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "long_prefill_token_threshold": 0,
+    "cpu_offload_gb": 0,
+}
+VLLM_KWARGS_FLOAT = {"cpu_offload_gb"}
+
+
+def vllm_kwargs_problems(kwargs: dict) -> Iterator[str]:
+    for key in sorted(set(kwargs) & set(VLLM_KWARGS_SET_BY)):
+        yield f"rollout.vllm_kwargs.{key} is set by vime-flow from {VLLM_KWARGS_SET_BY[key]}; remove it from rollout.vllm_kwargs"
+    for key in sorted(set(kwargs) & set(VLLM_KWARGS_MIN)):
+        v, least = kwargs[key], VLLM_KWARGS_MIN[key]
+        kinds = (int, float) if key in VLLM_KWARGS_FLOAT else (int,)
+        if v is None:
+            continue  # vLLM's own default
+        if isinstance(v, bool) or not isinstance(v, kinds) or v < least:
+            what = "a number" if key in VLLM_KWARGS_FLOAT else "an integer"
+            yield f"rollout.vllm_kwargs.{key} = {v!r}: vLLM needs {what} >= {least}; fix it or remove it from rollout.vllm_kwargs"
+
+
 def cross_field_problems(c: RunConfig) -> Iterator[str]:
     r, t = c.rollout, c.train
-    for key in sorted(set(r.vllm_kwargs) & set(VLLM_KWARGS_SET_BY)):
-        yield f"rollout.vllm_kwargs.{key} is set by vime-flow from {VLLM_KWARGS_SET_BY[key]}; remove it from rollout.vllm_kwargs"
+    yield from vllm_kwargs_problems(r.vllm_kwargs)
     samples = c.samples_per_rollout
     if samples % t.global_batch_size:
         yield (

@@ -102,7 +102,14 @@ def check_shapes(hf: Mapping[str, Tensor], arch: Qwen3Arch, where: str = "checkp
     for name, shape in want.items():  # values: tensors, or shapes (read from safetensors headers)
         got = tuple(getattr(hf[name], "shape", hf[name]))
         if got != shape:
-            raise CheckpointMismatchError(f"{where}: tensor {name} has shape {got}, config.json implies {shape}")
+            fields = (
+                "vocab_size, hidden_size" if name in ("model.embed_tokens.weight", "lm_head.weight") else "its sizes"
+            )
+            raise CheckpointMismatchError(
+                f"{where}: tensor {name} has shape {got}, config.json implies {shape} (from {fields}); config.json "
+                "does not describe these weights: restore the config.json they were saved with, or download the "
+                "model again"
+            )
 
 
 # --------------------------------------------------------------------------------------------------------------------
