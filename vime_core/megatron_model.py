@@ -62,6 +62,29 @@ def _shim_checkpoint_rng_for_cpu() -> None:
     mrandom._set_cuda_rng_state = lambda *a, **k: None
 
 
+def moe_options(arch: Qwen3Arch, ep: int) -> dict:
+    """TransformerConfig's MoE fields for Qwen3-MoE at expert-parallel size `ep`."""
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.moe_topk,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        # Qwen3-MoE: softmax over all experts, top-k, renormalise (norm_topk_prob) == softmax over the top-k logits
+        moe_router_pre_softmax=not arch.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_grouped_gemm=False,
+        # KNOWN LIMITATION (EP > 1 training, e.g. configs/qwen3-30b-a3b.yaml's EP=8): the allgather dispatcher
+        # all-gathers every layer's tokens over the TP x EP group with equal sizes (no output_split_sizes), so all
+        # EP ranks must run the same number of micro-batches of the same token count, in lockstep. Token-budget
+        # packing (train.pack_micro_batches) gives each DP rank its own counts and sizes: a mismatch fails the
+        # all-gather or hangs it. Needs padding micro-batches to a common count/size across the EP group (or the
+        # alltoall dispatcher with its split sizes); EP = 1 is unaffected.
+        moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        expert_model_parallel_size=ep,
+    )
+
+
 def transformer_config(
     arch: Qwen3Arch,
     dtype: str,
@@ -75,27 +98,7 @@ def transformer_config(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch_dtype = DTYPES[dtype]
-    moe = {}
-    if arch.is_moe:
-        moe = dict(
-            num_moe_experts=arch.num_experts,
-            moe_router_topk=arch.moe_topk,
-            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
-            # Qwen3-MoE: softmax over all experts, top-k, renormalise (norm_topk_prob) == softmax over the top-k logits
-            moe_router_pre_softmax=not arch.norm_topk_prob,
-            moe_router_score_function="softmax",
-            moe_grouped_gemm=False,
-            # KNOWN LIMITATION (EP > 1 training, e.g. configs/qwen3-30b-a3b.yaml's EP=8): the allgather dispatcher
-            # all-gathers every layer's tokens over the TP x EP group with equal sizes (no output_split_sizes), so all
-            # EP ranks must run the same number of micro-batches of the same token count, in lockstep. Token-budget
-            # packing (train.pack_micro_batches) gives each DP rank its own counts and sizes: a mismatch fails the
-            # all-gather or hangs it. Needs padding micro-batches to a common count/size across the EP group (or the
-            # alltoall dispatcher with its split sizes); EP = 1 is unaffected.
-            moe_token_dispatcher_type="allgather",
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
-            expert_model_parallel_size=ep,
-        )
+    moe = moe_options(arch, ep) if arch.is_moe else {}
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,

@@ -61,8 +61,16 @@ def vllm_kwargs_problems(kwargs: dict) -> Iterator[str]:
 
 
 def cross_field_problems(c: RunConfig) -> Iterator[str]:
+    """Every setting that contradicts another, each one line naming the fields and the fix."""
+    yield from vllm_kwargs_problems(c.rollout.vllm_kwargs)
+    yield from batch_and_layout_problems(c)
+    yield from optimizer_problems(c)
+    yield from placement_problems(c)
+    yield from schedule_and_eval_problems(c)
+
+
+def batch_and_layout_problems(c: RunConfig) -> Iterator[str]:
     r, t = c.rollout, c.train
-    yield from vllm_kwargs_problems(r.vllm_kwargs)
     samples = c.samples_per_rollout
     if samples % t.global_batch_size:
         yield (
@@ -96,6 +104,10 @@ def cross_field_problems(c: RunConfig) -> Iterator[str]:
             "train.sequence_parallel is not supported yet (megatron-core's local layer spec, which vime-flow builds, "
             "has no sequence-parallel RMSNorm); set it to false"
         )
+
+
+def optimizer_problems(c: RunConfig) -> Iterator[str]:
+    t = c.train
     if t.distributed_optimizer and t.optimizer == "adamw":
         yield "train.distributed_optimizer needs megatron's optimizer; set train.optimizer to megatron or auto"
     if t.distributed_optimizer and c.checkpoint.save_optimizer:
@@ -121,6 +133,10 @@ def cross_field_problems(c: RunConfig) -> Iterator[str]:
             "optimizer format is not implemented); set checkpoint.save_optimizer = false (a resume then restarts "
             "Adam's moments)"
         )
+
+
+def placement_problems(c: RunConfig) -> Iterator[str]:
+    t = c.train
     if c.cluster.colocate and t.num_devices != c.rollout_devices:
         yield (
             f"cluster.colocate needs as many trainer devices as rollout devices: train.num_devices = {t.num_devices} but "
@@ -137,6 +153,10 @@ def cross_field_problems(c: RunConfig) -> Iterator[str]:
         )
     if c.sync.strategy == "cuda_ipc" and not c.cluster.colocate:
         yield "sync.strategy = cuda_ipc needs cluster.colocate = true (IPC handles only work on shared devices)"
+
+
+def schedule_and_eval_problems(c: RunConfig) -> Iterator[str]:
+    r, t = c.rollout, c.train
     if t.lr_schedule != "constant" and t.lr_decay_steps is None:
         yield f"train.lr_schedule = {t.lr_schedule} needs train.lr_decay_steps (so that extending a run keeps the schedule)"
     if t.min_lr > t.lr:

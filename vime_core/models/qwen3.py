@@ -52,21 +52,8 @@ def arch_from_hf_config(hf: Mapping[str, Any], where: str | Path | None = None) 
             f"model {where or '(config.json)'} is not a Qwen3/Qwen3-MoE checkpoint (model_type "
             f"{model_type}); vime-flow trains model_type qwen3 and qwen3_moe only"
         )
-    if hf.get("attention_bias"):
-        raise UnsupportedModelError("config.json attention_bias = true is not supported (Qwen3 has no attention bias)")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"config.json hidden_act = {hf.get('hidden_act')!r}: only silu is supported")
+    check_supported_attention(hf)
     rope = hf.get("rope_parameters") or {}
-    for field in ("rope_parameters", "rope_scaling"):  # either may be present (transformers 5 / 4): check both
-        rope_type = (hf.get(field) or {}).get("rope_type") or (hf.get(field) or {}).get("type") or "default"
-        if rope_type != "default":
-            raise UnsupportedModelError(
-                f"config.json {field}.rope_type = {rope_type!r} is not supported (only default RoPE)"
-            )
-    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
-        raise UnsupportedModelError(
-            "config.json use_sliding_window / layer_types: sliding-window attention is not supported"
-        )
     rope_theta = hf.get("rope_theta", rope.get("rope_theta"))
     if rope_theta is None:
         raise UnsupportedModelError("config.json has neither rope_theta nor rope_parameters.rope_theta")
@@ -91,8 +78,29 @@ def arch_from_hf_config(hf: Mapping[str, Any], where: str | Path | None = None) 
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
     )
-    if model_type == "qwen3":
-        return Qwen3Arch(**common)
+    return Qwen3Arch(**common) if model_type == "qwen3" else Qwen3Arch(**common, **moe_fields(hf))
+
+
+def check_supported_attention(hf: Mapping[str, Any]) -> None:
+    """Qwen3's attention only: no bias, SiLU, default RoPE, no sliding window; raises naming the field otherwise."""
+    if hf.get("attention_bias"):
+        raise UnsupportedModelError("config.json attention_bias = true is not supported (Qwen3 has no attention bias)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"config.json hidden_act = {hf.get('hidden_act')!r}: only silu is supported")
+    for field in ("rope_parameters", "rope_scaling"):  # either may be present (transformers 5 / 4): check both
+        rope_type = (hf.get(field) or {}).get("rope_type") or (hf.get(field) or {}).get("type") or "default"
+        if rope_type != "default":
+            raise UnsupportedModelError(
+                f"config.json {field}.rope_type = {rope_type!r} is not supported (only default RoPE)"
+            )
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or []):
+        raise UnsupportedModelError(
+            "config.json use_sliding_window / layer_types: sliding-window attention is not supported"
+        )
+
+
+def moe_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields; the MoE variants the mapping does not cover raise naming the field."""
     experts = hf.get("num_experts", hf.get("num_local_experts"))
     if not experts:
         raise UnsupportedModelError("qwen3_moe config.json has no num_experts")
@@ -106,8 +114,7 @@ def arch_from_hf_config(hf: Mapping[str, Any], where: str | Path | None = None) 
         )
     if hf.get("shared_expert_intermediate_size"):
         raise UnsupportedModelError("config.json shared_expert_intermediate_size: shared experts are not supported")
-    return Qwen3Arch(
-        **common,
+    return dict(
         num_experts=int(experts),
         moe_topk=int(hf["num_experts_per_tok"]),
         moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
