@@ -95,7 +95,7 @@ def run_trainer(args, model_dir: Path, overrides: list[str]) -> dict:
     )
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     tr = Trainer(cfg, str(model_dir), 0, 1, "127.0.0.1", free_port(), "cuda")
-    vocab = tr.arch.vocab_size
+    vocab = tr.state.arch.vocab_size
     rows = []
     for step in range(args.steps):
         samples = synthetic(n, 40, args.response_len, vocab, step)
@@ -123,10 +123,10 @@ def run_trainer(args, model_dir: Path, overrides: list[str]) -> dict:
     table = None
     if args.profile:
         mb = synthetic(2, 40, args.response_len, vocab, 99)
-        tr.model.train()
+        tr.state.model.train()
 
         def fwd_bwd():
-            logp, _, _ = tr._forward(tr.model, mb, with_entropy=True)
+            logp, _, _ = tr.steps.forward(tr.state.model, mb, with_entropy=True)
             logp.sum().backward()
 
         table = profile_table(fwd_bwd)

@@ -80,14 +80,14 @@ def _reference_logp(model, samples) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _trainer(chunk: int):
-    """A Trainer with just what `_forward` reads (no process group, no optimizer)."""
-    from vime_core.config import load_config
-    from vime_core.trainer import Trainer
+    """A step runner over just what its forward reads (no process group, no optimizer)."""
+    from types import SimpleNamespace
 
-    t = Trainer.__new__(Trainer)
-    t.device = torch.device("cpu")
-    t.cfg = load_config(None, [f"rollout.temperature={TEMPERATURE}", f"train.logprob_chunk_tokens={chunk}"])
-    return t
+    from vime_core.config import load_config
+    from vime_core.trainer.step import StepRunner
+
+    cfg = load_config(None, [f"rollout.temperature={TEMPERATURE}", f"train.logprob_chunk_tokens={chunk}"])
+    return StepRunner(SimpleNamespace(device=torch.device("cpu"), cfg=cfg))
 
 
 def _loss_and_grads(logp: torch.Tensor, ent: torch.Tensor, model) -> tuple[float, dict[str, torch.Tensor]]:
@@ -130,7 +130,7 @@ def _checks(dense_dir: str, moe_dir: str) -> dict:
 
     # 2. the trainer's packed forward (one row, thd) == each sample alone through megatron's unfused attention
     trainer = _trainer(chunk=16)
-    lp, ent, sid = trainer._forward(fused, samples, with_entropy=True)
+    lp, ent, sid = trainer.forward(fused, samples, with_entropy=True)
     ref_lp, ref_ent = _reference_logp(local, samples)
     out["packed_logp"] = float((lp - ref_lp).detach().abs().max())
     out["packed_entropy"] = float((ent - ref_ent).detach().abs().max())
@@ -149,7 +149,7 @@ def _checks(dense_dir: str, moe_dir: str) -> dict:
     for mode in ("selective", "full"):
         model, _ = _tiny(dense_dir, "sdpa", recompute=mode)
         model.train()
-        lp_r, ent_r, _ = trainer._forward(model, samples, with_entropy=True)
+        lp_r, ent_r, _ = trainer.forward(model, samples, with_entropy=True)
         loss_r, g_r = _loss_and_grads(lp_r, ent_r, model)
         out[f"recompute_{mode}_loss_diff"] = abs(loss_r - loss_new)
         out[f"recompute_{mode}_grad_norm_diff"] = abs(_grad_norm(g_r) - _grad_norm(g_new))
@@ -163,7 +163,7 @@ def _checks(dense_dir: str, moe_dir: str) -> dict:
     moe_local, moe_arch = _tiny(moe_dir, "local")
     moe_fused, _ = _tiny(moe_dir, "sdpa")
     with torch.no_grad():
-        lp_m, _, _ = trainer._forward(moe_fused, samples, with_entropy=False)
+        lp_m, _, _ = trainer.forward(moe_fused, samples, with_entropy=False)
         ref_m, _ = _reference_logp(moe_local, samples)
     out["moe_packed_logp"] = float((lp_m - ref_m).abs().max())
     return out
@@ -177,7 +177,7 @@ def _ddp_checks(dense_dir: str, trainer, samples, want: dict) -> dict:
     module, _ = _tiny(dense_dir, "sdpa")
     ddp = DistributedDataParallel(module.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=module)
     ddp.zero_grad_buffer()
-    lp, ent, _ = trainer._forward(ddp, samples, with_entropy=True)
+    lp, ent, _ = trainer.forward(ddp, samples, with_entropy=True)
     w = torch.linspace(-1.0, 1.0, lp.numel())
     ((lp * w).sum() - 0.1 * ent.sum()).backward()
     got = {n: p.main_grad.clone() for n, p in module.named_parameters()}
@@ -198,10 +198,10 @@ def _no_cross_sample_attention(trainer, model, samples) -> float:
     import dataclasses
 
     with torch.no_grad():
-        lp, _, sid = trainer._forward(model, samples, with_entropy=False)
+        lp, _, sid = trainer.forward(model, samples, with_entropy=False)
         changed = [dataclasses.replace(samples[0], tokens=[(t + 1) % 300 for t in samples[0].tokens])] + samples[1:]
         assert len(changed[0].tokens) == len(samples[0].tokens)
-        lp2, _, _ = trainer._forward(model, changed, with_entropy=False)
+        lp2, _, _ = trainer.forward(model, changed, with_entropy=False)
     others = sid != 0
     assert (lp[~others] - lp2[~others]).abs().max() > 1e-3  # the changed sample did change
     return float((lp[others] - lp2[others]).abs().max())

@@ -57,21 +57,23 @@ def offload_enabled(setting, engines_sleep: bool, platform: str) -> bool:
 
 
 def train_step_memory(train):
-    """Wraps `Trainer.train`: the step's peak GPU memory (phase `train`) and onload time join its metrics on CUDA,
+    """Wraps `StepRunner.train`: the step's peak GPU memory (phase `train`) and onload time join its metrics on CUDA,
     and an out-of-memory error becomes a MemoryBudgetError naming train.max_tokens_per_device."""
 
     @functools.wraps(train)
     def wrapper(self, rollout_id: int, steps: list) -> dict:
         try:
-            with self.peaks.phase("train"):
+            with self.st.peaks.phase("train"):
                 metrics = train(self, rollout_id, steps)
         except torch.OutOfMemoryError as e:
             longest = max((len(s.tokens) for step in steps for s in step), default=0)
-            raise budget_error(self.cfg.train.max_tokens_per_device, longest, self.device, "training step") from e
-        if self.device.type == "cuda":
-            metrics["perf/trainer_peak_gib"] = self.peaks.last.get("train", 0.0)
-            metrics["perf/trainer_logprobs_peak_gib"] = self.peaks.last.get("logprobs", 0.0)
-            metrics["perf/optimizer_onload_time"] = self.onload_time  # before this step; the offload after it: loop.py
+            raise budget_error(self.st.cfg.train.max_tokens_per_device, longest, self.st.device, "training step") from e
+        if self.st.device.type == "cuda":
+            metrics["perf/trainer_peak_gib"] = self.st.peaks.last.get("train", 0.0)
+            metrics["perf/trainer_logprobs_peak_gib"] = self.st.peaks.last.get("logprobs", 0.0)
+            metrics["perf/optimizer_onload_time"] = (
+                self.st.onload_time
+            )  # before this step; the offload after it: loop.py
         return metrics
 
     return wrapper

@@ -88,27 +88,27 @@ def train_rank(
 
     cfg = load_config(REPO_CONFIG, [f"train.num_devices={world}", "train.cpu_threads=1", *overrides])
     trainer = Trainer(cfg, model_dir, rank, world, "127.0.0.1", port, "cpu")
-    samples = synthetic_samples(n_samples, trainer.arch.vocab_size, empty_every=empty_every)
+    samples = synthetic_samples(n_samples, trainer.state.arch.vocab_size, empty_every=empty_every)
     if nan_advantage:
         samples[1].advantage = math.nan
     steps = split_steps_and_ranks(samples, cfg.num_steps_per_rollout, cfg.train.data_parallel_size)[rank]
     before = trainer.checksum()
     out: dict = {"error": None, "metrics": {}, "old_logprob_samples": 0}
-    no_grad_pass = trainer._logprobs
+    no_grad_pass = trainer.steps.logprobs
 
     def counted(model, samples):  # samples of the no-grad forwards of the policy (the old log-probs)
-        if model is trainer.model:
+        if model is trainer.state.model:
             out["old_logprob_samples"] += len(samples)
         return no_grad_pass(model, samples)
 
-    trainer._logprobs = counted
+    trainer.steps.logprobs = counted
     try:
         out["metrics"] = trainer.train(0, steps)
     except Exception as e:  # the test looks at the message and at the weights
         out["error"] = f"{type(e).__name__}: {e}"
     out["checksum_before"], out["checksum_after"] = before, trainer.checksum()
-    out["finite_weights"] = all(bool(torch.isfinite(p).all()) for p in trainer.module.parameters())
-    out["adam_steps"] = sum(len(s) for s in trainer.optimizer.state.values())
+    out["finite_weights"] = all(bool(torch.isfinite(p).all()) for p in trainer.state.module.parameters())
+    out["adam_steps"] = sum(len(s) for s in trainer.state.optimizer.state.values())
     trainer.shutdown()
     return out
 
@@ -196,18 +196,20 @@ def static_memory(rank: int, world: int, port: int, model_dir: str, overrides: l
 
     cfg = load_config(REPO_CONFIG, [f"train.num_devices={world}", "train.cpu_threads=1", *overrides])
     trainer = Trainer(cfg, model_dir, rank, world, "127.0.0.1", port, "cpu")
-    samples = synthetic_samples(8, trainer.arch.vocab_size)
+    samples = synthetic_samples(8, trainer.state.arch.vocab_size)
     dp_rank = rank // cfg.train.model_parallel_size  # TP ranks of one DP group train the same samples
     trainer.train(0, split_steps_and_ranks(samples, cfg.num_steps_per_rollout, cfg.train.data_parallel_size)[dp_rank])
 
     def nbytes(ts) -> int:
         return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
 
-    params = list(trainer.module.parameters())
-    ref = list(trainer.ref_model.parameters()) if trainer.ref_model is not None else []
-    states = [t for st in trainer.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0]
+    params = list(trainer.state.module.parameters())
+    ref = list(trainer.state.ref_model.parameters()) if trainer.state.ref_model is not None else []
+    states = [
+        t for st in trainer.state.optimizer.state.values() for t in st.values() if torch.is_tensor(t) and t.dim() > 0
+    ]
     measured = nbytes(params) + nbytes(ref) + nbytes(p.grad for p in params) + nbytes(states)
-    counted = spec_of(trainer.arch).params_per_device(trainer.arch, Layout.of_config(cfg))
+    counted = spec_of(trainer.state.arch).params_per_device(trainer.state.arch, Layout.of_config(cfg))
     estimate = sum(trainer_static(cfg, counted, "cpu")[k] for k in ("weights", "grads", "optimizer_gpu"))
     out = {"measured": measured, "estimate": estimate, "params": sum(p.numel() for p in params), "counted": counted}
     trainer.shutdown()
@@ -225,17 +227,17 @@ def optimizer_run(rank: int, world: int, port: int, model_dir: str, overrides: l
 
     cfg = load_config(REPO_CONFIG, [f"train.num_devices={world}", "cluster.platform=cuda", *overrides])
     trainer = Trainer(cfg, model_dir, rank, world, "127.0.0.1", port, "cuda")
-    samples = synthetic_samples(8, trainer.arch.vocab_size)
-    start = torch.cat([p.detach().float().flatten().cpu() for p in trainer.module.parameters()])
+    samples = synthetic_samples(8, trainer.state.arch.vocab_size)
+    start = torch.cat([p.detach().float().flatten().cpu() for p in trainer.state.module.parameters()])
     norms = []
     for r in range(rollouts):
         steps = split_steps_and_ranks(samples, cfg.num_steps_per_rollout, cfg.train.data_parallel_size)[rank]
         norms.append(trainer.train(r, steps)["train/grad_norm"])
         trainer.offload_optimizer()
         trainer.onload_optimizer()
-    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    inner = getattr(trainer.state.optimizer, "optimizer", trainer.state.optimizer)
     states = [st for st in inner.state.values()]
-    weights = torch.cat([p.detach().float().flatten().cpu() for p in trainer.module.parameters()])
+    weights = torch.cat([p.detach().float().flatten().cpu() for p in trainer.state.module.parameters()])
     out = {
         "weights": weights.tolist(),
         "moved": float((weights - start).abs().max()),

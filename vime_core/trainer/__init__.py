@@ -1,7 +1,8 @@
 """The megatron-core trainer: one `Trainer` per rank (a Ray actor, see cluster.py), driven by `TrainerGroup`.
 
-- `rank`: the actor: process group, parallel state, model build, weight-export entry points, memory, info
-- `step`: the forward, old/reference log-probs, one rollout step (`train`) and its optimizer steps
+- `rank`: the actor: process group, parallel state, model build, the collaborators it owns, memory, info
+- `state`: `RankState`, what a built rank is made of; the collaborators read it
+- `step`: `StepRunner`: the forward, old/reference log-probs, one rollout step (`train`) and its optimizer steps
 - `optim`: one interface over torch AdamW and megatron-core's optimizer
 - `checkpoint_io`: a rank's model / optimizer / RNG save and load
 - `batching`: pure batch arithmetic (TrainSample, advantages, the step/rank split, micro-batch packing)

@@ -1,7 +1,8 @@
 """One trainer rank, the Ray actor (`Trainer`, created by cluster.create_trainers, driven by `TrainerGroup`): its setup
-(process group, megatron's parallel state, the model build), its one door for weights (`weights`: an op of the run's
-transport exporter in vime_core/sync/), colocated memory, and its info. The training step is `TrainStep` (vime_core.trainer.step), the
-checkpoint I/O `RankCheckpoint` (vime_core.trainer.checkpoint_io), both mixed in here so that the actor is one object.
+(process group, megatron's parallel state, the model build into a `RankState`), and the collaborators it owns, each
+built from that state: the step runner (`StepRunner`, vime_core.trainer.step), the rank checkpoint (`RankCheckpoint`,
+checkpoint_io) and the weight exporter of the run's transport (vime_core/sync/, behind the one door `weights`); then
+colocated memory and its info.
 
 Optimizers (vime_core.trainer.optim): torch AdamW (every platform; the only one on CPU, where megatron's optimizer is
 CUDA-only) or megatron-core's DistributedOptimizer (GPU). The LR is a pure function of the optimizer's step count,
@@ -24,10 +25,11 @@ from vime_core.schedule import cpu_threads, ray_node_id
 from vime_core.sync.base import WeightSource
 from vime_core.trainer.checkpoint_io import RankCheckpoint
 from vime_core.trainer.optim import make_optimizer
-from vime_core.trainer.step import TrainStep
+from vime_core.trainer.state import RankState
+from vime_core.trainer.step import StepRunner
 
 
-class Trainer(TrainStep, RankCheckpoint):
+class Trainer:
     """One trainer rank. Construct all ranks of a group concurrently: __init__ joins the process group and builds
     the model, or with `defer_start` only imports, and `start()` (on every rank at once) does the rest: on colocated
     GPUs the loop calls it once the vLLM engines have sized their KV caches (see rpc.wait_ready)."""
@@ -50,6 +52,9 @@ class Trainer(TrainStep, RankCheckpoint):
         apply_megatron_compat()  # imports megatron: with defer_start, this overlaps the engines' start
         self.cfg, self.rank, self.world_size, self.platform = cfg, rank, world_size, platform
         self._pending: tuple | None = (model_dir, master_addr, master_port, init_checkpoint)
+        self.state: RankState | None = None  # the built rank (`start`), which every collaborator below reads
+        self.steps: StepRunner | None = None
+        self.checkpoint: RankCheckpoint | None = None
         self.exporter = None  # this rank's half of the weight transport, made on the first push (`weights`)
         if not defer_start:
             self.start()
@@ -121,15 +126,17 @@ class Trainer(TrainStep, RankCheckpoint):
         self.ps = ps
 
     def _build(self, model_dir: str, init_checkpoint: str | None) -> None:
-        """Policy (and frozen reference) from the HF checkpoint, or the policy from a converted torch_dist one."""
+        """Policy (and frozen reference) from the HF checkpoint, or the policy from a converted torch_dist one; then
+        the optimizer, the `RankState` and the collaborators made from it."""
         from vime_core import megatron_model as mm
-        from vime_core.checkpoint import load_hf_state_dict, read_hf_config
+        from vime_core.checkpoint import load_hf_state_dict, load_torch_dist, read_hf_config
+        from vime_core.memory import PhasePeaks
         from vime_core.models import arch_from_hf_config, spec_of
 
-        t = self.cfg.train
-        self.arch = arch_from_hf_config(read_hf_config(model_dir))
-        self.tf_config = mm.transformer_config(
-            self.arch,
+        t, device = self.cfg.train, self.device
+        arch = arch_from_hf_config(read_hf_config(model_dir))
+        tf_config = mm.transformer_config(
+            arch,
             self.cfg.model.dtype,
             t.tensor_parallel_size,
             t.expert_parallel_size,
@@ -139,24 +146,46 @@ class Trainer(TrainStep, RankCheckpoint):
         )
         need_ref = self.cfg.grpo.kl_loss_coef > 0
         # a converted checkpoint replaces every policy weight: read the HF files only when something uses them
-        to_mcore = spec_of(self.arch).mapping().hf_to_mcore
-        full = to_mcore(load_hf_state_dict(model_dir), self.arch) if need_ref or not init_checkpoint else None
-        self.module = mm.build_gpt(self.arch, self.tf_config).to(self.device)  # the GPTModel itself
+        to_mcore = spec_of(arch).mapping().hf_to_mcore
+        full = to_mcore(load_hf_state_dict(model_dir), arch) if need_ref or not init_checkpoint else None
+        module = mm.build_gpt(arch, tf_config).to(device)  # the GPTModel itself
         if init_checkpoint:
-            self._load_model(Path(init_checkpoint))
+            load_torch_dist(module, Path(init_checkpoint))
         else:
-            mm.load_full_weights(self.module, full, self.arch)
-        self.ref_model = None
+            mm.load_full_weights(module, full, arch)
+        ref_model = None
         if need_ref:
-            self.ref_model = mm.build_gpt(self.arch, self.tf_config).to(self.device).eval()
-            mm.load_full_weights(self.ref_model, full, self.arch)
-            self.ref_model.requires_grad_(False)
+            ref_model = mm.build_gpt(arch, tf_config).to(device).eval()
+            mm.load_full_weights(ref_model, full, arch)
+            ref_model.requires_grad_(False)
         del full
-        self.optim = make_optimizer(self.cfg, self.platform, self.module, self.tf_config, self.ps, self.device)
-        # the torch / megatron optimizer, and what the forward runs (megatron's DDP around `module`, or `module`)
-        self.optimizer, self.model, self.optimizer_kind = self.optim.optimizer, self.optim.model, self.optim.kind
-        self.step = 0  # optimizer steps taken; the LR schedule is a function of it
+        optim = make_optimizer(self.cfg, self.platform, module, tf_config, self.ps, device)
+        self.state = RankState(
+            self.cfg,
+            self.rank,
+            self.world_size,
+            self.platform,
+            device,
+            self.ps,
+            arch,
+            module,
+            ref_model,
+            optim,
+            PhasePeaks(device),
+        )
+        self.steps, self.checkpoint = StepRunner(self.state), RankCheckpoint(self.state)
         self._init_memory()
+
+    # -- the collaborators' doors -------------------------------------------------------------------------------------
+    def train(self, rollout_id: int, steps: list) -> dict[str, float]:
+        """One rollout step (`StepRunner.train`); its metrics."""
+        return self.steps.train(rollout_id, steps)
+
+    def save_checkpoint(self, ckpt_dir: str) -> None:
+        self.checkpoint.save_checkpoint(ckpt_dir)
+
+    def load_checkpoint(self, ckpt_dir: str) -> int:
+        return self.checkpoint.load_checkpoint(ckpt_dir)
 
     # -- weights out: this rank's half of the run's weight transport (vime_core/sync/) ----------------------------------
     def _full_weights(self) -> tuple[Iterator[tuple[str, torch.Tensor]], Callable]:
@@ -164,8 +193,9 @@ class Trainer(TrainStep, RankCheckpoint):
         from vime_core.megatron_model import iter_full_weights
         from vime_core.models import spec_of
 
-        return iter_full_weights(self.module, self.arch), partial(
-            spec_of(self.arch).mapping().mcore_param_to_hf, arch=self.arch
+        st = self.state
+        return iter_full_weights(st.module, st.arch), partial(
+            spec_of(st.arch).mapping().mcore_param_to_hf, arch=st.arch
         )
 
     def weights(self, op: str, *args):
@@ -186,18 +216,17 @@ class Trainer(TrainStep, RankCheckpoint):
 
     def checksum(self) -> float:
         """Sum of |w| over this rank's parameters (tests use it to see that weights changed)."""
-        return float(sum(p.detach().float().abs().sum() for p in self.module.parameters()))
+        return float(sum(p.detach().float().abs().sum() for p in self.state.module.parameters()))
 
     # -- colocated memory (vime_core.memory) -------------------------------------------------------------------------
     def _init_memory(self) -> None:
-        from vime_core.memory import HostOffload, PhasePeaks, offload_enabled
+        from vime_core.memory import HostOffload, offload_enabled
 
-        self.peaks = PhasePeaks(self.device)
-        self.offloader = HostOffload(self.optimizer, self.model, self.module, self.device)
+        st = self.state
+        self.offloader = HostOffload(st.optimizer, st.model, st.module, self.device)
         self.offload_enabled = offload_enabled(
             self.cfg.train.offload_optimizer, self.cfg.cluster.sleeping_engines, self.platform
         )
-        self.onload_time = 0.0
 
     def offload_optimizer(self) -> dict[str, float] | None:
         """Optimizer state and gradients to pinned host memory (vLLM generates next): its time and what stays on the
@@ -207,30 +236,30 @@ class Trainer(TrainStep, RankCheckpoint):
             return None
         seconds = self.offloader.offload()
         resident = torch.cuda.memory_allocated(self.device) / 2**30
-        self.peaks.record("offloaded", resident)
+        self.state.peaks.record("offloaded", resident)
         return {"perf/optimizer_offload_time": seconds, "perf/trainer_resident_after_offload_gib": resident}
 
     def onload_optimizer(self) -> bool:
         """Back on the device before training. False when not enabled."""
         if not self.offload_enabled:
             return False
-        self.onload_time = self.offloader.onload()
+        self.state.onload_time = self.offloader.onload()
         return True
 
     def info(self) -> dict[str, Any]:
         from vime_core.platform import max_rss_gib
 
-        cuda = self.device.type == "cuda"
+        cuda, st = self.device.type == "cuda", self.state
         return {
             "rank": self.rank,
-            "params": sum(p.numel() for p in self.module.parameters()),
-            "step": self.step,
+            "params": sum(p.numel() for p in st.module.parameters()),
+            "step": st.step,
             "device": str(self.device),
             "max_rss_gib": max_rss_gib(),
-            "max_gpu_mem_gib": max([torch.cuda.max_memory_allocated(self.device) / 2**30, *self.peaks.max.values()])
+            "max_gpu_mem_gib": max([torch.cuda.max_memory_allocated(self.device) / 2**30, *st.peaks.max.values()])
             if cuda
             else 0.0,
-            "gpu_peak_gib_by_phase": dict(self.peaks.max),  # logprobs, train (whole step), offloaded (held meanwhile)
+            "gpu_peak_gib_by_phase": dict(st.peaks.max),  # logprobs, train (whole step), offloaded (held meanwhile)
             "host_offload_gib": self.offloader.host_bytes() / 2**30,
             "node_id": ray_node_id(),  # which Ray node the rank runs on (tests of multi-node placement ask Ray)
         }

@@ -1,7 +1,7 @@
 """The training step of a trainer rank: the forward (packed micro-batches -> response-token log-probs), the old and
 reference log-probs, `train` (one rollout step: `num_steps_per_rollout` optimizer steps) and `_optimizer_step`, and
 the reductions over data-parallel ranks. The loss of a micro-batch is vime_core.loss; the optimizer behind
-`self.optim` is vime_core.trainer.optim.
+`self.st.optim` is vime_core.trainer.optim.
 
 Per rollout step (`train`): the log-probs of the rollout tokens under the current policy (the "old" log-probs of
 PPO; their distance to vLLM's is `train/train_rollout_logprob_abs_diff`: a no-grad forward first, or with one step per
@@ -28,15 +28,18 @@ from vime_core.loss import (
 )
 from vime_core.memory import to_device, train_step_memory
 from vime_core.trainer.batching import TrainSample, pack_micro_batches
+from vime_core.trainer.state import RankState
 
 
-class TrainStep:
-    """Mixed into `Trainer` (vime_core.trainer.rank), which sets what these methods read: `cfg`, `device`, `ps`
-    (megatron's parallel state), `model` / `ref_model`, `optim` (an OptimizerAdapter), `optimizer_kind`, `peaks`,
-    `step` and `world_size`."""
+class StepRunner:
+    """A trainer rank's training step over its `RankState` (vime_core.trainer.state): the forward, the old and
+    reference log-probs, `train` and the optimizer steps; `st.step` counts the optimizer steps taken."""
+
+    def __init__(self, st: RankState):
+        self.st = st
 
     # -- forward ------------------------------------------------------------------------------------------------------
-    def _forward(
+    def forward(
         self, model, batch: list[TrainSample], with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Log-probs (and entropy) of every response token of `batch`, concatenated; and each token's sample index.
@@ -48,8 +51,8 @@ class TrainStep:
         from vime_core.logprobs import chunked_logprobs
 
         lens = [len(s.tokens) for s in batch]
-        ids = to_device([t for s in batch for t in s.tokens], torch.long, self.device)
-        packed = packed_seq_params(lens, self.device)  # its layout holds each token's position in its sample
+        ids = to_device([t for s in batch for t in s.tokens], torch.long, self.st.device)
+        packed = packed_seq_params(lens, self.st.device)  # its layout holds each token's position in its sample
         gpt = mm.unwrap(model)
         with mm.hidden_states_only(gpt):
             hidden = model(
@@ -65,29 +68,29 @@ class TrainStep:
             cols += range(start + s.prompt_len - 1, start + s.prompt_len - 1 + r)
             sample_ids += [i] * r
             start += len(s.tokens)
-        cols_t = to_device(cols, torch.long, self.device)
+        cols_t = to_device(cols, torch.long, self.st.device)
         picked = hidden.squeeze(1).index_select(0, cols_t)
         # logits / temperature, softmax over the tokens top-k / top-p kept: vLLM's processed log-probs
-        r = self.cfg.rollout
+        r = self.st.cfg.rollout
         logp, ent = chunked_logprobs(
             picked,
             mm.output_weight(gpt),
             ids.index_select(0, cols_t + 1),
             r.temperature,
             with_entropy,
-            self.cfg.train.logprob_chunk_tokens,
-            keep_logits=self.cfg.train.logprob_keep_logits,  # only where backward will run
+            self.st.cfg.train.logprob_chunk_tokens,
+            keep_logits=self.st.cfg.train.logprob_keep_logits,  # only where backward will run
             top_k=r.top_k,
             top_p=r.top_p,
         )
-        return logp, ent, to_device(sample_ids, torch.long, self.device)
+        return logp, ent, to_device(sample_ids, torch.long, self.st.device)
 
     @torch.no_grad()
-    def _logprobs(self, model, samples: list[TrainSample]) -> list[torch.Tensor]:
+    def logprobs(self, model, samples: list[TrainSample]) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(samples)
-        with self.peaks.phase("logprobs"):
-            for mb in pack_micro_batches([len(s.tokens) for s in samples], self.cfg.train.max_tokens_per_device):
-                logp, _, sid = self._forward(model, [samples[i] for i in mb], with_entropy=False)
+        with self.st.peaks.phase("logprobs"):
+            for mb in pack_micro_batches([len(s.tokens) for s in samples], self.st.cfg.train.max_tokens_per_device):
+                logp, _, sid = self.forward(model, [samples[i] for i in mb], with_entropy=False)
                 for j, i in enumerate(mb):
                     out[i] = logp[sid == j].cpu()
         return out  # type: ignore[return-value]
@@ -97,7 +100,7 @@ class TrainStep:
         responses alone has nothing to gather)."""
         live = [i for i, s in enumerate(samples) if s.response_len > 0]
         out = [torch.zeros(0) for _ in samples]
-        for i, lp in zip(live, self._logprobs(model, [samples[i] for i in live]) if live else []):
+        for i, lp in zip(live, self.logprobs(model, [samples[i] for i in live]) if live else []):
             out[i] = lp
         return out
 
@@ -106,15 +109,15 @@ class TrainStep:
     def train(self, rollout_id: int, steps: list[list[TrainSample]]) -> dict[str, float]:
         """`steps[k]` are this rank's samples of optimizer step k. Returns metrics reduced over data-parallel ranks."""
         t0 = time.perf_counter()
-        self.model.eval()
+        self.st.model.eval()
         flat = [s for step in steps for s in step]
         # the first optimizer step runs on the weights that are the old policy: its own forward gives its old
         # log-probs; only the later steps' samples need the no-grad pass (all of them with `forward`)
-        first = len(steps[0]) if self.cfg.train.old_logprobs == "auto" else 0
-        old_later = self._logprobs_of_live(self.model, flat[first:]) if flat[first:] else []
+        first = len(steps[0]) if self.st.cfg.train.old_logprobs == "auto" else 0
+        old_later = self._logprobs_of_live(self.st.model, flat[first:]) if flat[first:] else []
         old: list[torch.Tensor | None] = [None] * first + old_later
-        ref = self._logprobs_of_live(self.ref_model, flat) if self.ref_model is not None else None
-        self.model.train()
+        ref = self._logprobs_of_live(self.st.ref_model, flat) if self.st.ref_model is not None else None
+        self.st.model.train()
         offset = 0
         step_metrics, diffs = [], []
         for k, step_samples in enumerate(steps):
@@ -135,7 +138,7 @@ class TrainStep:
         metrics["train/train_rollout_logprob_abs_diff"] = diff_sum / diff_count if diff_count else 0.0
         elapsed = time.perf_counter() - t0
         metrics["perf/actor_train_tok_per_s"] = (
-            self._sum_over_dp(tokens) / elapsed / max(1, self.world_size // self.cfg.train.data_parallel_size)
+            self._sum_over_dp(tokens) / elapsed / max(1, self.st.world_size // self.st.cfg.train.data_parallel_size)
         )
         return metrics
 
@@ -148,29 +151,29 @@ class TrainStep:
         """One optimizer step over `samples` -> (its train/* metrics, each sample's mean |old - rollout| log-prob over
         its trained tokens). `old` None: the old log-probs are this forward's own (detached). Nothing is read back
         to the host before the last micro-batch's backward is queued (metric sums stay on the device)."""
-        g, dp = self.cfg.grpo, self.cfg.train.data_parallel_size
+        g, dp = self.st.cfg.grpo, self.st.cfg.train.data_parallel_size
         trained = sum(sum(s.loss_mask) for s in samples)
         # the denominator of the loss is global over data-parallel ranks: samples, or trained (mask = 1) tokens
         step_tokens = int(self._sum_over_dp(trained)) if g.loss_aggregation == "token_mean" else 0
         denom = step_denominator(g.loss_aggregation, len(samples), step_tokens, dp)
-        scale = loss_scale(self.optimizer_kind, dp)  # megatron's DDP averages over DP; the logged loss stays unscaled
+        scale = loss_scale(self.st.optim.kind, dp)  # megatron's DDP averages over DP; the logged loss stays unscaled
         sums, loss_share = dict.fromkeys(METRIC_KEYS, 0.0), 0.0
         diff_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.optim.zero_grad()
+        self.st.optim.zero_grad()
 
         def flat(values: list) -> torch.Tensor:
-            return to_device(values, torch.float32, self.device)
+            return to_device(values, torch.float32, self.st.device)
 
         # a sample without response tokens adds nothing to the loss (it still counts in sample_mean's denominator)
         live = [i for i, s in enumerate(samples) if s.response_len > 0]
-        for mb in pack_micro_batches([len(samples[i].tokens) for i in live], self.cfg.train.max_tokens_per_device):
+        for mb in pack_micro_batches([len(samples[i].tokens) for i in live], self.st.cfg.train.max_tokens_per_device):
             idx = [live[j] for j in mb]
             batch = [samples[i] for i in idx]
-            logp, ent, sid = self._forward(self.model, batch, with_entropy=True)
+            logp, ent, sid = self.forward(self.st.model, batch, with_entropy=True)
             mask = flat([m for s in batch for m in s.loss_mask])
             has_rollout = all(len(s.rollout_logprobs) == s.response_len for s in batch)
             rollout = flat([x for s in batch for x in (s.rollout_logprobs or [0.0] * s.response_len)])
-            old_logp = logp.detach() if old is None else torch.cat([old[i] for i in idx]).to(self.device)
+            old_logp = logp.detach() if old is None else torch.cat([old[i] for i in idx]).to(self.st.device)
             diff_parts.append(rollout_diff_sums(old_logp, rollout, mask, sid, batch))
             loss, part = micro_batch_loss(
                 MicroBatch(
@@ -181,7 +184,7 @@ class TrainStep:
                     sample_ids=sid,
                     num_samples=len(batch),
                     entropy=ent,
-                    ref_logp=torch.cat([ref[i] for i in idx]).to(self.device) if ref is not None else None,
+                    ref_logp=torch.cat([ref[i] for i in idx]).to(self.st.device) if ref is not None else None,
                     rollout_logp=rollout if g.use_tis is True and has_rollout else None,
                 ),
                 g,
@@ -195,11 +198,11 @@ class TrainStep:
         # rank makes it NaN on all, so every rank stops together)
         values = host_floats([*(sums[k] for k in METRIC_KEYS), trained, loss_share])
         *totals, all_trained, loss = self._sum_over_dp_many(values)
-        lr = lr_at(self.step, self.cfg)
+        lr = lr_at(self.st.step, self.st.cfg)
         t_opt = time.perf_counter()  # host_floats synchronized above: this times the optimizer's own work
-        grad_norm = self.optim.apply(lr, loss, f"optimizer step {self.step}")
+        grad_norm = self.st.optim.apply(lr, loss, f"optimizer step {self.st.step}")
         opt_time = time.perf_counter() - t_opt
-        self.step += 1
+        self.st.step += 1
         out = step_train_metrics(dict(zip(METRIC_KEYS, totals)), int(all_trained), loss, g)
         out["perf/optimizer_step_time"] = opt_time
         out["train/grad_norm"] = grad_norm
@@ -208,26 +211,26 @@ class TrainStep:
 
     def _reduce_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
         """Mean over data-parallel ranks (train/* are step totals already, equal on every rank: see _optimizer_step)."""
-        dp = self.ps.get_data_parallel_world_size()
+        dp = self.st.ps.get_data_parallel_world_size()
         if dp == 1:
             return metrics
         keys = sorted(metrics)
-        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+        t = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.st.device)
+        dist.all_reduce(t, group=self.st.ps.get_data_parallel_group())
         return dict(zip(keys, (t / dp).tolist()))
 
     def _sum_over_dp_many(self, values: list[float]) -> list[float]:
-        if self.ps.get_data_parallel_world_size() == 1:
+        if self.st.ps.get_data_parallel_world_size() == 1:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+        t = torch.tensor(values, dtype=torch.float64, device=self.st.device)
+        dist.all_reduce(t, group=self.st.ps.get_data_parallel_group())
         return t.tolist()
 
     def _sum_over_dp(self, value: float) -> float:
-        if self.ps.get_data_parallel_world_size() == 1:
+        if self.st.ps.get_data_parallel_world_size() == 1:
             return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.ps.get_data_parallel_group())
+        t = torch.tensor([value], dtype=torch.float64, device=self.st.device)
+        dist.all_reduce(t, group=self.st.ps.get_data_parallel_group())
         return float(t.item())
 
 
