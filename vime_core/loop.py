@@ -133,15 +133,47 @@ def train_loop(
     Metrics go to `sink` at step = rollout_id; eval rows at the number of rollout steps the policy has had (0 is the
     baseline). `run_state` (e.g. the MLflow run id) is stored in every checkpoint so that a resume continues it."""
     from vime_core.checkpoint import Checkpointer
-    from vime_core.cluster import create_engines, create_trainers, init_ray, make_placement, shutdown_ray
-    from vime_core.rpc import wait_ready
-    from vime_core.evaluation import evaluate
-    from vime_core.kv_cache import kv_cache_shortfall
-    from vime_core.rollout import RolloutRouter
-    from vime_core.sync import WeightSync, resolve_strategy
-    from vime_core.trainer import TrainerGroup
+    from vime_core.cluster import init_ray, shutdown_ray
 
     resume_dir, state = resume_point(cfg)
+    result = start_result(cfg, resume_dir, state)
+    if result.nothing_trained:
+        return result
+    p = prepare(cfg, model_dir)
+    log.info("starting Ray, the trainer and %d vLLM engine(s)", cfg.rollout.num_engines)
+    init_ray(cfg, p.platform)
+    actors = Actors()
+    try:
+        start_actors(actors, cfg, p, None if state else init_checkpoint)
+        buffer, sched = restore(actors, cfg, p, resume_dir, state, init_checkpoint, result.start_rollout_id)
+        ckpt, ledger = (
+            Checkpointer(cfg.save_dir, cfg.checkpoint.keep_last),
+            DataLedger(cfg.output_dir / "data_ledger.jsonl"),
+        )
+        parts = LoopParts(
+            cfg,
+            p,
+            sched,
+            actors.trainer,
+            actors.router,
+            actors.sync,
+            ledger,
+            ckpt,
+            buffer,
+            sink,
+            on_step,
+            run_state,
+            result,
+        )
+        return run_steps(parts)
+    finally:
+        if actors.trainer is not None:
+            actors.trainer.shutdown()
+        shutdown_ray()
+
+
+def start_result(cfg: RunConfig, resume_dir: Path | None, state: dict | None) -> RunResult:
+    """Where this run starts (after the checkpoint's rollout, or at 0); `nothing_trained` says why no step is left."""
     start = state["rollout_id"] + 1 if state else 0
     result = RunResult(
         start,
@@ -156,86 +188,96 @@ def train_loop(
             f"{cfg.rollout.num_rollout}: nothing to train (raise num_rollout to extend the run)"
         )
         log.warning(result.nothing_trained)
-        return result
-    p = prepare(cfg, model_dir)
-    ckpt = Checkpointer(cfg.save_dir, cfg.checkpoint.keep_last)
-    ledger = DataLedger(cfg.output_dir / "data_ledger.jsonl")
-    log.info("starting Ray, the trainer and %d vLLM engine(s)", cfg.rollout.num_engines)
-    t_start = time.perf_counter()
-    init_ray(cfg, p.platform)
-    trainer = None
-    try:
-        placement = make_placement(cfg, p.platform)
-        trainer = TrainerGroup(
-            create_trainers(
-                cfg,
-                placement,
-                p.platform,
-                str(p.model_dir),
-                None if state else (str(init_checkpoint) if init_checkpoint else None),
-            ),
-            cfg,
-        )
-        router = RolloutRouter(create_engines(cfg, placement, p.platform, str(p.model_dir)), cfg.rollout.timeout_s)
-        sync = WeightSync(
-            trainer,
-            router,
-            resolve_strategy(cfg.sync.strategy, p.platform, cfg.cluster.colocate),
-            cfg.sync.bucket_size_mb,
-            engines_sleep=placement.engines_sleep,
-            timeout_s=cfg.sync.timeout_s,
-            sleep_level=cfg.cluster.engine_sleep_level,
-        )
-        # colocated GPUs: the trainers allocate only once the engines have sized their KV caches and gone to sleep
-        wait_ready(
-            trainer.actors,
-            router.engines,
-            max(cfg.rollout.timeout_s, cfg.train.timeout_s),
-            placement.colocated_gpu,
-            before_trainers=sync.release_engines,
-        )
-        log.info("trainer and engines ready in %.1fs", time.perf_counter() - t_start)
-        if kv_warning := kv_cache_shortfall(cfg, router.call_all("info"), p.platform):
-            log.warning(kv_warning)
-        buffer = DataBuffer(p.prompts, cfg.seed, cfg.data.shuffle)
-        carried = []
-        if state:
-            trainer.load_checkpoint(str(resume_dir))
-            buffer.load_state_dict(state["data_buffer"])
-            carried = read_inflight(resume_dir, state)  # an async run's rollouts in flight at the save
-        # colocated GPUs: the first rollout, like every later one, runs beside only what the trainer keeps between
-        # steps (Qwen3-8B on one H200: its 30 GiB gradient buffer and the engine's awake share do not fit together)
-        trainer.offload_optimizer()
-        if state or init_checkpoint or sync.asleep:
-            sync.push()  # the engines started from the HF weights (or slept them away: sleep level 2)
-        sched = RolloutScheduler(
-            partial(rollout_step, cfg=cfg, buffer=buffer, router=router, p=p),
-            cfg.rollout.max_staleness,
-            cfg.rollout.num_rollout,
-            start,
-            carried,
-        )
-        checksum_start = trainer.weights_checksum()
-        if p.eval_sets and cfg.eval.before_train and start == 0:
-            log.info("baseline evaluation on %s", ", ".join(p.eval_sets))
-            result.baseline_eval = evaluate(router, p.eval_sets, cfg, p.reward_model)
-            sink.log_metrics(0, result.baseline_eval)
+    return result
 
-        sched.submit_ready()
-        parts = LoopParts(cfg, p, sched, trainer, router, sync, ledger, ckpt, buffer, sink, on_step, run_state, result)
-        try:
-            for rollout_id in range(start, cfg.rollout.num_rollout):
-                train_step(rollout_id, parts)
-        finally:
-            sched.close()
-        result.weights_checksum = (checksum_start, trainer.weights_checksum())
-        result.trainer_info = trainer.info()
-        result.engine_info = router.call_all("info")
-        return result
+
+@dataclass
+class Actors:
+    """The run's actors, filled as they start (so that teardown stops whatever started)."""
+
+    trainer: Any = None  # TrainerGroup
+    router: Any = None  # RolloutRouter over the vLLM engines
+    sync: Any = None  # WeightSync between them
+
+
+def start_actors(a: Actors, cfg: RunConfig, p: Prepared, init_checkpoint: Path | None) -> None:
+    """Trainer ranks and vLLM engines on one placement, ready, with the weight sync between them."""
+    from vime_core.cluster import create_engines, create_trainers, make_placement
+    from vime_core.kv_cache import kv_cache_shortfall
+    from vime_core.rollout import RolloutRouter
+    from vime_core.rpc import wait_ready
+    from vime_core.sync import WeightSync, resolve_strategy
+    from vime_core.trainer import TrainerGroup
+
+    t_start = time.perf_counter()
+    placement = make_placement(cfg, p.platform)
+    model = str(p.model_dir)
+    init = str(init_checkpoint) if init_checkpoint else None
+    a.trainer = TrainerGroup(create_trainers(cfg, placement, p.platform, model, init), cfg)
+    a.router = RolloutRouter(create_engines(cfg, placement, p.platform, model), cfg.rollout.timeout_s)
+    a.sync = WeightSync(
+        a.trainer,
+        a.router,
+        resolve_strategy(cfg.sync.strategy, p.platform, cfg.cluster.colocate),
+        cfg.sync.bucket_size_mb,
+        engines_sleep=placement.engines_sleep,
+        timeout_s=cfg.sync.timeout_s,
+        sleep_level=cfg.cluster.engine_sleep_level,
+    )
+    # colocated GPUs: the trainers allocate only once the engines have sized their KV caches and gone to sleep
+    timeout = max(cfg.rollout.timeout_s, cfg.train.timeout_s)
+    wait_ready(a.trainer.actors, a.router.engines, timeout, placement.colocated_gpu, a.sync.release_engines)
+    log.info("trainer and engines ready in %.1fs", time.perf_counter() - t_start)
+    if kv_warning := kv_cache_shortfall(cfg, a.router.call_all("info"), p.platform):
+        log.warning(kv_warning)
+
+
+def restore(
+    a: Actors, cfg: RunConfig, p: Prepared, resume_dir, state, init_checkpoint, start: int
+) -> tuple[DataBuffer, RolloutScheduler]:
+    """The data buffer and the rollout scheduler at `start`: the checkpoint's trainer, buffer position and in-flight
+    rollouts on a resume; the engines holding the trainer's weights."""
+    buffer = DataBuffer(p.prompts, cfg.seed, cfg.data.shuffle)
+    carried = []
+    if state:
+        a.trainer.load_checkpoint(str(resume_dir))
+        buffer.load_state_dict(state["data_buffer"])
+        carried = read_inflight(resume_dir, state)  # an async run's rollouts in flight at the save
+    # colocated GPUs: the first rollout, like every later one, runs beside only what the trainer keeps between
+    # steps (Qwen3-8B on one H200: its 30 GiB gradient buffer and the engine's awake share do not fit together)
+    a.trainer.offload_optimizer()
+    if state or init_checkpoint or a.sync.asleep:
+        a.sync.push()  # the engines started from the HF weights (or slept them away: sleep level 2)
+    sched = RolloutScheduler(
+        partial(rollout_step, cfg=cfg, buffer=buffer, router=a.router, p=p),
+        cfg.rollout.max_staleness,
+        cfg.rollout.num_rollout,
+        start,
+        carried,
+    )
+    return buffer, sched
+
+
+def run_steps(parts: "LoopParts") -> RunResult:
+    """The baseline evaluation, then every step from the start to rollout.num_rollout; the run's result."""
+    from vime_core.evaluation import evaluate
+
+    cfg, p, result, trainer = parts.cfg, parts.p, parts.result, parts.trainer
+    checksum_start = trainer.weights_checksum()
+    if p.eval_sets and cfg.eval.before_train and result.start_rollout_id == 0:
+        log.info("baseline evaluation on %s", ", ".join(p.eval_sets))
+        result.baseline_eval = evaluate(parts.router, p.eval_sets, cfg, p.reward_model)
+        parts.sink.log_metrics(0, result.baseline_eval)
+    parts.sched.submit_ready()
+    try:
+        for rollout_id in range(result.start_rollout_id, cfg.rollout.num_rollout):
+            train_step(rollout_id, parts)
     finally:
-        if trainer is not None:
-            trainer.shutdown()
-        shutdown_ray()
+        parts.sched.close()
+    result.weights_checksum = (checksum_start, trainer.weights_checksum())
+    result.trainer_info = trainer.info()
+    result.engine_info = parts.router.call_all("info")
+    return result
 
 
 def rollout_step(

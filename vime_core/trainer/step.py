@@ -161,35 +161,12 @@ class StepRunner:
         diff_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.st.optim.zero_grad()
 
-        def flat(values: list) -> torch.Tensor:
-            return to_device(values, torch.float32, self.st.device)
-
         # a sample without response tokens adds nothing to the loss (it still counts in sample_mean's denominator)
         live = [i for i, s in enumerate(samples) if s.response_len > 0]
         for mb in pack_micro_batches([len(samples[i].tokens) for i in live], self.st.cfg.train.max_tokens_per_device):
             idx = [live[j] for j in mb]
-            batch = [samples[i] for i in idx]
-            logp, ent, sid = self.forward(self.st.model, batch, with_entropy=True)
-            mask = flat([m for s in batch for m in s.loss_mask])
-            has_rollout = all(len(s.rollout_logprobs) == s.response_len for s in batch)
-            rollout = flat([x for s in batch for x in (s.rollout_logprobs or [0.0] * s.response_len)])
-            old_logp = logp.detach() if old is None else torch.cat([old[i] for i in idx]).to(self.st.device)
-            diff_parts.append(rollout_diff_sums(old_logp, rollout, mask, sid, batch))
-            loss, part = micro_batch_loss(
-                MicroBatch(
-                    logp=logp,
-                    old_logp=old_logp,
-                    advantages=flat([s.advantage for s in batch for _ in range(s.response_len)]),
-                    mask=mask,
-                    sample_ids=sid,
-                    num_samples=len(batch),
-                    entropy=ent,
-                    ref_logp=torch.cat([ref[i] for i in idx]).to(self.st.device) if ref is not None else None,
-                    rollout_logp=rollout if g.use_tis is True and has_rollout else None,
-                ),
-                g,
-                denom,
-            )
+            loss, part, diff = self._micro_batch([samples[i] for i in idx], idx, old, ref, denom)
+            diff_parts.append(diff)
             (loss * scale).backward()
             loss_share = loss_share + loss.detach()
             for k in METRIC_KEYS:
@@ -208,6 +185,36 @@ class StepRunner:
         out["train/grad_norm"] = grad_norm
         out["train/lr"] = lr
         return out, per_sample_means(diff_parts)
+
+    def _micro_batch(self, batch: list[TrainSample], idx: list[int], old, ref, denom: float):
+        """One micro-batch's forward and loss -> (loss, its metric parts, its rollout-diff sums); `idx` are the
+        samples' places in the step (for `old` / `ref`, each a per-sample list or None)."""
+        g, dev = self.st.cfg.grpo, self.st.device
+
+        def flat(values: list) -> torch.Tensor:
+            return to_device(values, torch.float32, dev)
+
+        logp, ent, sid = self.forward(self.st.model, batch, with_entropy=True)
+        mask = flat([m for s in batch for m in s.loss_mask])
+        has_rollout = all(len(s.rollout_logprobs) == s.response_len for s in batch)
+        rollout = flat([x for s in batch for x in (s.rollout_logprobs or [0.0] * s.response_len)])
+        old_logp = logp.detach() if old is None else torch.cat([old[i] for i in idx]).to(dev)
+        loss, part = micro_batch_loss(
+            MicroBatch(
+                logp=logp,
+                old_logp=old_logp,
+                advantages=flat([s.advantage for s in batch for _ in range(s.response_len)]),
+                mask=mask,
+                sample_ids=sid,
+                num_samples=len(batch),
+                entropy=ent,
+                ref_logp=torch.cat([ref[i] for i in idx]).to(dev) if ref is not None else None,
+                rollout_logp=rollout if g.use_tis is True and has_rollout else None,
+            ),
+            g,
+            denom,
+        )
+        return loss, part, rollout_diff_sums(old_logp, rollout, mask, sid, batch)
 
     def _reduce_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
         """Mean over data-parallel ranks (train/* are step totals already, equal on every rank: see _optimizer_step)."""
