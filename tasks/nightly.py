@@ -3,8 +3,9 @@
 - the model is `mlflow://models:/<registered name>/<version of @champion>` (the base `model.source` of the config
   while there is no champion yet); the version, not the alias, so that a retry starts from the same weights even
   if the alias moved meanwhile;
-- the run's own output dir, `<output_dir>/nightly/<scheduled date>-<flow run id[:8]>`: a retry of the same flow run
-  (Prefect `retries`, or a rerun from the UI) finds its checkpoints there and resumes; another night never does;
+- the run's own output dir, `<output_dir>/nightly/<scheduled date>-<flow run key>` (`flow_run_key`: a hash of the
+  whole flow run id): a retry of the same flow run (Prefect `retries`, or a rerun from the UI) finds its
+  checkpoints there and resumes; another night never does;
 - its own MLflow run (named after that dir, tagged `prefect.flow_run_id`); the MLflow store stays the one the base
   config names (a nested output dir would otherwise move the default sqlite store).
 
@@ -13,6 +14,7 @@ The choice is written to `<run dir>/candidate.json` on the first attempt and rea
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import datetime, timezone
 
@@ -27,10 +29,20 @@ def registered_name(cfg: RunConfig) -> str:
     return cfg.tracking.registered_model or f"vime-{cfg.name}"
 
 
+def flow_run_key(flow_run_id: str | None) -> str:
+    """12 hex digits of the sha256 of the whole flow run id. Not a prefix of the id: Prefect's scheduler inserts a
+    deployment's runs in one batch with time-ordered ids, and two runs of one day shared their first 8 characters
+    (issue 26: the second night resumed the first one's dir and MLflow run). 48 bits: two runs of one date collide
+    with a chance of 1 in 2.8e14."""
+    if not flow_run_id:
+        return "local"
+    return hashlib.sha256(flow_run_id.encode()).hexdigest()[:12]
+
+
 def run_label(cfg: RunConfig, flow_run_id: str | None, when: datetime | None) -> str:
-    """`<config>-<YYYYmmdd>-<short id>`: the MLflow run name and (without the config) the nightly dir name."""
+    """`<config>-<YYYYmmdd>-<flow run key>`: the MLflow run name and (without the config) the nightly dir name."""
     day = (when or datetime.now(timezone.utc)).strftime("%Y%m%d")
-    return f"{cfg.name}-{day}-{(flow_run_id or 'local')[:8]}"
+    return f"{cfg.name}-{day}-{flow_run_key(flow_run_id)}"
 
 
 def candidate_config(cfg: RunConfig, flow_run_id: str | None, scheduled: datetime | None) -> RunConfig:

@@ -6,7 +6,9 @@ One server, one worker, five flow runs, in order:
 1. the cron schedule creates runs; the first is moved to now and runs through the worker: the first night. Its
    reward function fails once after the first checkpoint (tests/helpers/flaky_reward.py): the train task must be
    retried by Prefect, resume from that checkpoint and keep logging into the same MLflow run;
-2. a second night: a candidate from the champion, its own MLflow run and model version; v1 stays as it was;
+2. a second night, the scheduler's other run of the same date (the test adds a second cron time; the scheduler
+   created both in one batch, ids sharing their first 8 characters): a candidate from the champion, its own dir,
+   MLflow run and model version; v1 stays as it was;
 3. the first night's dir continued with unchanged settings: nothing trained, `NothingTrained`, nothing registered;
 4. the same dir with `checkpoint.start_fresh=true` and another seed: registers the weights it trained;
 5. a run on an output dir another process holds: refused, naming the holder.
@@ -29,6 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tasks.nightly import flow_run_key
 from tests.helpers.tiny import REPO
 from vime_core.ports import free_port
 
@@ -39,6 +42,7 @@ STEPS = 3
 EVAL_NAME = "arith-heldout"
 MODEL = "vime-tiny-cpu"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+SECOND_CRON = "30 2 * * *"  # the test's second night, half an hour after the shipped schedule's
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen, log: Path) -> None:
@@ -149,6 +153,8 @@ def deployment(prefect_env, tmp_path_factory):
     env = {**prefect_env, "VIME_TEST_FLAKY_DIR": str(out / "runs")}
     spec = yaml.safe_load((REPO / "infra" / "prefect.yaml").read_text())
     spec["deployments"][0]["parameters"]["overrides"] = test_overrides(out)
+    # a second night on every date: the scheduler creates both runs of a date in one batch (issue 26)
+    spec["deployments"][0]["schedules"].append({**spec["deployments"][0]["schedules"][0], "cron": SECOND_CRON})
     (out / "prefect.yaml").write_text(yaml.safe_dump(spec))
     r = prefect(env, "work-pool", "create", "vime", "--type", "process")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -187,24 +193,28 @@ def run_now(d: dict, params: dict) -> tuple[subprocess.CompletedProcess, dict]:
     return r, new
 
 
-@pytest.fixture(scope="module")
-def first_night(deployment):
-    """The schedule's first run, moved to now, run by the worker."""
-    d = deployment
-    scheduled = wait_until(lambda: flow_runs(d, ["SCHEDULED"]), 120, "the cron schedule created no flow run")
-    run = scheduled[0]
+def run_scheduled(d: dict, run: dict) -> dict:
+    """A run the scheduler created, moved to now, run by the worker: its final flow run."""
     now = datetime.now(timezone.utc).isoformat()
     api(
         d["env"],
         f"/flow_runs/{run['id']}/set_state",
         {"state": {"type": "SCHEDULED", "name": "Scheduled", "state_details": {"scheduled_time": now}}, "force": True},
     )
-    done = wait_until(
+    return wait_until(
         lambda: (fr := api(d["env"], f"/flow_runs/{run['id']}"))["state"]["type"] in TERMINAL and fr,
         1200,
         "the scheduled run did not finish",
         interval=5,
     )
+
+
+@pytest.fixture(scope="module")
+def first_night(deployment):
+    """The schedule's first run, moved to now, run by the worker."""
+    d = deployment
+    scheduled = wait_until(lambda: flow_runs(d, ["SCHEDULED"]), 120, "the cron schedule created no flow run")
+    done = run_scheduled(d, scheduled[0])
     return {"scheduled": scheduled, "run": done, "worker_log": d["worker_log"].read_text()}
 
 
@@ -282,7 +292,8 @@ def test_mlflow_holds_the_first_night(first_night, store, tmp_path):
     run_id = run.info.run_id
     assert run.info.status == "FINISHED"
     day = datetime.now(timezone.utc).strftime("%Y")
-    assert run.info.run_name.startswith(f"tiny-cpu-{day}") and run.info.run_name.endswith(first_night["run"]["id"][:8])
+    assert run.info.run_name.startswith(f"tiny-cpu-{day}")
+    assert run.info.run_name.endswith(flow_run_key(first_night["run"]["id"]))
     for key in ("rollout/raw_reward", "train/train_rollout_logprob_abs_diff", "perf/tokens_per_gpu_per_sec"):
         steps = sorted(m.step for m in client.get_metric_history(run_id, key))
         assert steps == list(range(STEPS)), (key, steps)
@@ -313,17 +324,29 @@ def test_mlflow_holds_the_first_night(first_night, store, tmp_path):
 
 @pytest.fixture(scope="module")
 def second_night(deployment, first_night, store, tmp_path_factory):
+    """The scheduler's other run on the first night's date (SECOND_CRON), run by the worker."""
     v1_before = version_files(store, "1", tmp_path_factory.mktemp("v1-before"))
-    r, run = run_now(deployment, {"overrides": test_overrides(deployment["out"], "rollout.num_rollout=2")})
-    return {"proc": r, "run": run, "v1_before": v1_before}
+    first = first_night["scheduled"][0]
+    (other,) = [
+        r
+        for r in first_night["scheduled"]
+        if r["expected_start_time"][:10] == first["expected_start_time"][:10] and r["id"] != first["id"]
+    ]
+    return {"run": run_scheduled(deployment, other), "v1_before": v1_before}
 
 
-def test_a_second_night_trains_a_candidate_from_the_champion(first_night, second_night, store, tmp_path):
-    r = second_night["proc"]
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+def test_a_second_night_trains_a_candidate_from_the_champion(deployment, first_night, second_night, store, tmp_path):
+    state = second_night["run"]["state"]
+    assert state["type"] == "COMPLETED" and state["name"] == "Completed", state
+    ids = first_night["run"]["id"], second_night["run"]["id"]
+    assert ids[0][:8] == ids[1][:8], f"not the case of issue 26 (one scheduler batch, a shared id prefix): {ids}"
+    dirs = {json.loads((p / "candidate.json").read_text())["flow_run_id"]: p.name for p in nightly_dirs(deployment)}
+    assert sorted(dirs) == sorted(ids), dirs  # two dirs, one for each night
+    assert dirs[ids[0]][:8] == dirs[ids[1]][:8], f"the same date: {dirs}"
     client = store
-    one, two = nightly_run(client, first_night["run"]["id"]), nightly_run(client, second_night["run"]["id"])
+    one, two = nightly_run(client, ids[0]), nightly_run(client, ids[1])
     assert one.info.run_id != two.info.run_id and one.info.run_name != two.info.run_name
+    assert one.info.run_name == f"tiny-cpu-{dirs[ids[0]]}" and two.info.run_name == f"tiny-cpu-{dirs[ids[1]]}"
     assert two.data.tags["vime.model.source"] == f"mlflow://models:/{MODEL}/1"
     versions = {str(v.version): v for v in client.search_model_versions(f"name = '{MODEL}'")}
     assert sorted(versions) == ["1", "2"] and versions["2"].run_id == two.info.run_id
@@ -335,9 +358,17 @@ def test_a_second_night_trains_a_candidate_from_the_champion(first_night, second
     assert champion == ("2" if s2 > s1 else "1"), (s1, s2, versions["2"].tags["vime.promotion"])
 
 
+def nightly_dirs(d: dict) -> list[Path]:
+    return sorted(p for p in (d["out"] / "runs" / "tiny-cpu" / "nightly").iterdir() if p.is_dir())
+
+
 @pytest.fixture(scope="module")
 def first_night_dir(deployment, first_night):
-    (run_dir,) = (deployment["out"] / "runs" / "tiny-cpu" / "nightly").glob(f"*-{first_night['run']['id'][:8]}")
+    (run_dir,) = [
+        p
+        for p in nightly_dirs(deployment)
+        if json.loads((p / "candidate.json").read_text())["flow_run_id"] == first_night["run"]["id"]
+    ]
     return run_dir
 
 

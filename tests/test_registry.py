@@ -97,12 +97,13 @@ def test_two_stores_with_the_same_version_number_do_not_share_a_download(tmp_pat
 
 
 def test_a_night_starts_from_the_champion_version_and_a_retry_from_the_same_one(store, tmp_path):
-    from tasks.nightly import candidate_config
+    from tasks.nightly import candidate_config, flow_run_key
 
     cfg = tiny_config(tmp_path / "runs" / "tiny-cpu", f"tracking.uri={store}")
     first = candidate_config(cfg, "0a1b2c3d-flow-run-1", None)
     assert first.model.source == cfg.model.source  # no champion yet: the base model
-    assert first.output_dir.parent == cfg.output_dir / "nightly" and first.output_dir.name.endswith("-0a1b2c3d")
+    assert first.output_dir.parent == cfg.output_dir / "nightly"
+    assert first.output_dir.name.endswith(f"-{flow_run_key('0a1b2c3d-flow-run-1')}")
     assert first.tracking.uri == store
     register(store, tmp_path, fake_export(tmp_path / "e" / "iter_0000001", b"w"), 0.5, name="vime-tiny-cpu")
     second = candidate_config(cfg, "99887766-flow-run-2", None)
