@@ -25,11 +25,11 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
-from tasks.common import artifact_key, cfg_of, markdown, train_timeout
+from tasks.common import artifact_key, cfg_of, markdown, tracking_retries, train_timeout
 from tasks.convert import convert_checkpoint
 from tasks.download import download_dataset, download_model
 from tasks.evaluate import evaluate, log_evaluation
-from tasks.nightly import candidate_config, run_label
+from tasks.nightly import choose_candidate, run_label
 from tasks.register import export_hf, register_model
 from tasks.tracking import finish_tracking, start_tracking, tracking_target
 from tasks.train import start_fresh, train_grpo
@@ -54,7 +54,7 @@ def grpo_pipeline(
     flow_run_id = flow_run.get_id()
     try:
         if nightly:
-            cfg = candidate_config(cfg, flow_run_id, flow_run.get_scheduled_start_time())
+            cfg = choose_candidate(cfg, flow_run_id, flow_run.get_scheduled_start_time())
             logger.info(f"nightly candidate from {cfg.model.source} in {cfg.output_dir}")
         with output_dir_lock(cfg.output_dir, flow_run_id):
             summary = run_stages(cfg, flow_run_id)
@@ -77,6 +77,8 @@ def grpo_pipeline(
 
 def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
     config = cfg.model_dump(mode="json")
+    retry = tracking_retries(cfg.tracking.outage_s)  # every task that talks to MLflow outlasts a server restart
+    finish = finish_tracking.with_options(**retry)
     model = download_model(cfg.model.source, tracking_target(cfg)[0])
     datasets = [download_dataset(s) for s in dict.fromkeys([cfg.data.source, *(d.source for d in cfg.eval.datasets)])]
     run_name = (
@@ -84,7 +86,7 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
         if cfg.output_dir.parent.name == "nightly"
         else run_label(cfg, flow_run_id, None)
     )
-    run_id = start_tracking(config, model, run_name, flow_run_id, datasets)
+    run_id = start_tracking.with_options(**retry)(config, model, run_name, flow_run_id, datasets)
     if cfg.checkpoint.start_fresh:
         config = start_fresh(config)
     elif not cfg.checkpoint.resume:  # refused beside old checkpoints; else a retried train task must resume its own
@@ -102,9 +104,7 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
             step = trained["last_rollout_id"] + 1
             if trained["nothing_trained"] and already_registered(cfg, run_id, trained["last_checkpoint"]):
                 reason = f"{trained['nothing_trained']}; its policy is already registered"
-                finish_tracking(
-                    config, run_id, {}, step=step, tags={"vime.last_attempt": f"nothing trained: {reason}"[:5000]}
-                )
+                finish(config, run_id, {}, step=step, tags={"vime.last_attempt": f"nothing trained: {reason}"[:5000]})
                 return {
                     "config": cfg.name,
                     "mlflow_run_id": run_id,
@@ -116,12 +116,13 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
             if cfg.eval.datasets:
                 final = evaluate(config, exported)
                 log_evaluation(config, final, exported, run_id, step=step)
-                registry = register_model(config, exported, run_id, final, trained["last_checkpoint"])
+                register = register_model.with_options(**retry)
+                registry = register(config, exported, run_id, final, trained["last_checkpoint"])
         except BaseException:
-            finish_tracking(config, run_id, {}, status="FAILED")
+            finish(config, run_id, {}, status="FAILED")
             raise
     summary = pipeline_summary(cfg, trained, final, registry, exported, run_id)
-    finish_tracking(config, run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, step=step)
+    finish(config, run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, step=step)
     return summary
 
 

@@ -9,7 +9,9 @@
 - its own MLflow run (named after that dir, tagged `prefect.flow_run_id`); the MLflow store stays the one the base
   config names (a nested output dir would otherwise move the default sqlite store).
 
-The choice is written to `<run dir>/candidate.json` on the first attempt and read back by every later one.
+The choice is written to `<run dir>/candidate.json` on the first attempt and read back by every later one. The
+champion lookup is a task of its own (`choose_candidate`), retried like every tracking call (`tracking.outage_s`):
+outside a task, a tracking server down at 02:00 failed the night in 3 s.
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ from __future__ import annotations
 import hashlib
 import json
 from datetime import datetime, timezone
+from typing import Any
 
+from prefect import task
+
+from tasks.common import TIMEOUTS, cfg_of, tracking_retries
 from vime_core.config import RunConfig, config_from_dict
 from vime_core.fsutil import atomic_write_text
 from vime_core.tracking import alias_version, resolve_tracking_uri
@@ -43,6 +49,19 @@ def run_label(cfg: RunConfig, flow_run_id: str | None, when: datetime | None) ->
     """`<config>-<YYYYmmdd>-<flow run key>`: the MLflow run name and (without the config) the nightly dir name."""
     day = (when or datetime.now(timezone.utc)).strftime("%Y%m%d")
     return f"{cfg.name}-{day}-{flow_run_key(flow_run_id)}"
+
+
+@task(name="nightly-candidate", timeout_seconds=TIMEOUTS["tracking"])
+def nightly_candidate(config: dict[str, Any], flow_run_id: str | None, scheduled: datetime | None) -> dict[str, Any]:
+    """The candidate's config (as a dict: task results are serialised), champion looked up from the registry."""
+    return candidate_config(cfg_of(config), flow_run_id, scheduled).model_dump(mode="json")
+
+
+def choose_candidate(cfg: RunConfig, flow_run_id: str | None, scheduled: datetime | None) -> RunConfig:
+    """`candidate_config` inside a Prefect task that retries an unreachable tracking server for
+    `tracking.outage_s` (call it from a flow)."""
+    lookup = nightly_candidate.with_options(**tracking_retries(cfg.tracking.outage_s))
+    return cfg_of(lookup(cfg.model_dump(mode="json"), flow_run_id, scheduled))
 
 
 def candidate_config(cfg: RunConfig, flow_run_id: str | None, scheduled: datetime | None) -> RunConfig:

@@ -178,3 +178,14 @@ def test_two_flow_runs_whose_ids_share_a_prefix_get_two_dirs_and_run_names(tmp_p
     names = [run_label(cfg, i, day) for i in ids]
     assert dirs[0] != dirs[1] and names[0] != names[1]
     assert [d.name[:9] for d in dirs] == ["20261201-"] * 2 and all(n.startswith("tiny-cpu-20261201-") for n in names)
+
+
+@pytest.mark.parametrize("outage_s", [0, 12, 180, 1800])
+def test_tracking_retries_cover_the_configured_outage(outage_s):
+    from tasks.common import tracking_retries
+
+    options = tracking_retries(outage_s)
+    delays = options["retry_delay_seconds"] or []
+    assert options["retries"] == len(delays) <= 50  # Prefect refuses more than 50 delays
+    assert sum(delays) >= outage_s and (not delays or sum(delays) - delays[-1] < outage_s)
+    assert all(b == min(2 * a, 60) for a, b in zip(delays, delays[1:]))
