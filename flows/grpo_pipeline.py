@@ -8,6 +8,8 @@ Two modes (the `nightly` parameter):
   its latest checkpoint and continues the same MLflow run; a larger `rollout.num_rollout` extends it.
 - nightly=True (the deployment's default): a new candidate from the current champion, in its own output dir and
   MLflow run, keyed by the flow run (tasks/nightly.py); a retry of that flow run resumes it.
+`promote` (true for the deployment's schedule, false for its ad-hoc runs: infra/prefect.yaml; true for
+`vime-pipeline`): false registers the policy as `challenger` and never moves `champion`.
 A run with nothing new to train or register ends Completed under the name `NothingTrained`, with the reason as its
 message and a "Nothing trained" artifact, and registers nothing. The output dir is locked for the whole run.
 """
@@ -41,9 +43,13 @@ NOTHING_TRAINED = "NothingTrained"  # the Prefect state name (type COMPLETED) of
 
 @flow(name="grpo-pipeline", log_prints=True)
 def grpo_pipeline(
-    config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | None = None, nightly: bool = False
+    config_path: str = "configs/tiny-cpu.yaml",
+    overrides: list[str] | None = None,
+    nightly: bool = False,
+    promote: bool = True,
 ):
-    """GRPO post-training of a Qwen3 model, from source checkpoint to a registered, evaluated policy."""
+    """GRPO post-training of a Qwen3 model, from source checkpoint to a registered, evaluated policy. `promote`:
+    whether the registered version may take `champion` (false: it becomes `challenger` whatever its score)."""
     from vime_core.orphans import start_watchdog
 
     # here too, not only in main(): a deployment's worker runs this body without main(), and a SIGKILLed flow run
@@ -57,7 +63,7 @@ def grpo_pipeline(
             cfg = choose_candidate(cfg, flow_run_id, flow_run.get_scheduled_start_time())
             logger.info(f"nightly candidate from {cfg.model.source} in {cfg.output_dir}")
         with output_dir_lock(cfg.output_dir, flow_run_id):
-            summary = run_stages(cfg, flow_run_id)
+            summary = run_stages(cfg, flow_run_id, promote)
     except Exception as e:
         report_failure(cfg.name, e)
         raise
@@ -75,7 +81,7 @@ def grpo_pipeline(
     return summary
 
 
-def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
+def run_stages(cfg: RunConfig, flow_run_id: str | None, promote: bool = True) -> dict[str, Any]:
     config = cfg.model_dump(mode="json")
     retry = tracking_retries(cfg.tracking.outage_s)  # every task that talks to MLflow outlasts a server restart
     finish = finish_tracking.with_options(**retry)
@@ -117,7 +123,7 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
                 final = evaluate(config, exported)
                 log_evaluation(config, final, exported, run_id, step=step)
                 register = register_model.with_options(**retry)
-                registry = register(config, exported, run_id, final, trained["last_checkpoint"])
+                registry = register(config, exported, run_id, final, trained["last_checkpoint"], promote)
         except BaseException:
             finish(config, run_id, {}, status="FAILED")
             raise

@@ -34,10 +34,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    from prefect.schedules import Cron
+
     grpo_pipeline.serve(
         name=args.name,
-        cron=args.cron,
-        parameters={"config_path": args.config, "overrides": args.overrides, "nightly": True},
+        # as infra/prefect.yaml: the scheduled runs compete for `champion`, ad-hoc runs register a `challenger`
+        schedules=[Cron(args.cron, parameters={"promote": True})],
+        parameters={"config_path": args.config, "overrides": args.overrides, "nightly": True, "promote": False},
         description="Nightly GRPO post-training: a candidate from the champion, trained, evaluated, registered.",
         tags=["vime-flow", "nightly"],
         limit=1,

@@ -189,3 +189,11 @@ def test_tracking_retries_cover_the_configured_outage(outage_s):
     assert options["retries"] == len(delays) <= 50  # Prefect refuses more than 50 delays
     assert sum(delays) >= outage_s and (not delays or sum(delays) - delays[-1] < outage_s)
     assert all(b == min(2 * a, 60) for a, b in zip(delays, delays[1:]))
+
+
+def test_the_schedule_promotes_and_ad_hoc_runs_of_the_deployment_do_not():
+    import yaml
+
+    (dep,) = yaml.safe_load((REPO / "infra" / "prefect.yaml").read_text())["deployments"]
+    assert dep["parameters"]["promote"] is False  # `prefect deployment run` without --param promote=true
+    assert [s["parameters"]["promote"] for s in dep["schedules"]] == [True]

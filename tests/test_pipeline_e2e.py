@@ -412,8 +412,12 @@ def test_start_fresh_registers_the_weights_it_trained(deployment, second_night, 
         "export",
         "metrics.jsonl",
     ]
+    champion = store.get_model_version_by_alias(MODEL, "champion").version
     newest = max(store.search_model_versions(f"name = '{MODEL}'"), key=lambda v: int(v.version))
     assert newest.run_id != old.info.run_id
+    # an ad-hoc run (the deployment's promote=false): registered as challenger, champion as it was
+    assert store.get_model_version_by_alias(MODEL, "challenger").version == newest.version != champion
+    assert newest.tags["vime.promotion"].startswith("promote=false: champion unchanged")
     files = version_files(store, newest.version, tmp_path / "fresh")
     assert newest.tags["vime.weights_sha256"] == scored_weights(store, newest.run_id)
     assert files == file_hashes(first_night_dir / "export" / "iter_0000001"), "the export of the fresh run's 2 steps"

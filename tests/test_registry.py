@@ -40,7 +40,9 @@ def fake_export(d: Path, weights: bytes) -> Path:
     return d
 
 
-def register(uri: str, tmp_path: Path, export: Path, value: float, name: str = "vime-test") -> dict:
+def register(
+    uri: str, tmp_path: Path, export: Path, value: float, name: str = "vime-test", promote: bool = True
+) -> dict:
     from tasks.register import version_artifact_path
     from vime_core.sources import weights_digest
     from vime_core.tracking import MlflowRun, register_model
@@ -48,7 +50,8 @@ def register(uri: str, tmp_path: Path, export: Path, value: float, name: str = "
     run = MlflowRun(uri, "registry-test", run_name="r", artifact_root=tmp_path / "artifacts")
     digest = weights_digest(export)
     path = run.log_dir(export, version_artifact_path(export, digest))
-    return register_model(uri, name, run.run_id, path, METRIC, value, tags={"vime.weights_sha256": digest})
+    tags = {"vime.weights_sha256": digest}
+    return register_model(uri, name, run.run_id, path, METRIC, value, tags=tags, promote=promote)
 
 
 def test_a_tie_never_promotes_and_scores_are_compared_at_full_precision(store, tmp_path):
@@ -65,6 +68,27 @@ def test_a_tie_never_promotes_and_scores_are_compared_at_full_precision(store, t
     assert client.get_model_version("vime-tie", "1").tags["eval/arith-heldout/pass_at_1"] == "0.427734375"
     assert client.get_model_version("vime-tie", "2").tags["vime.promotion"] == tie["reason"]
     assert str(client.get_model_version_by_alias("vime-tie", "champion").version) == "3"
+
+
+def test_promote_false_never_moves_the_champion_and_names_the_challenger(store, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store, registry_uri=store)
+
+    def alias(a: str) -> str:
+        return str(client.get_model_version_by_alias("vime-adhoc", a).version)
+
+    export = fake_export(tmp_path / "export" / "iter_0000001", b"w")
+    probe = register(store, tmp_path, export, 0.9, name="vime-adhoc", promote=False)  # no champion yet: still none
+    assert not probe["promoted"] and alias("challenger") == "1"
+    assert not [a for mv in client.search_model_versions("name = 'vime-adhoc'") for a in mv.aliases if a == "champion"]
+    assert register(store, tmp_path, export, 0.5, name="vime-adhoc")["promoted"] and alias("champion") == "2"
+    better = register(store, tmp_path, export, 0.7, name="vime-adhoc", promote=False)
+    assert not better["promoted"] and (alias("champion"), alias("challenger")) == ("2", "3")
+    assert better["reason"].startswith("promote=false: champion unchanged, version 3 is challenger; ")
+    assert "beats champion version 2 (0.5)" in client.get_model_version("vime-adhoc", "3").tags["vime.promotion"]
+    worse = register(store, tmp_path, export, 0.4, name="vime-adhoc")  # a scheduled night that loses
+    assert not worse["promoted"] and (alias("champion"), alias("challenger")) == ("2", "4")
 
 
 def test_each_version_owns_its_files(store, tmp_path):

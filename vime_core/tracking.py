@@ -104,6 +104,7 @@ ARTIFACT_INLINE_LIMIT = 256 * 2**20  # larger exports are logged as a reference 
 # training view (the UI's ExperimentKind enum: genai_development | custom_model_development | ...)
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 WEIGHTS_TAG = "vime.weights_sha256"  # on eval runs and model versions: the files that were scored / registered
+CHALLENGER = "challenger"  # the alias of the newest registered version that did not become champion
 
 
 class TrackingError(VimeError, RuntimeError):
@@ -389,12 +390,13 @@ def register_model(
     alias: str = "champion",
     tags: dict[str, str] | None = None,
     reuse_tag: str | None = None,
+    promote: bool = True,
 ) -> dict[str, Any]:
-    """Register a model version; move `alias` to it only when `value` beats the current holder's (recorded in the
-    version's tags and description either way). The score is stored at full precision (repr) so that the next
-    comparison is exact. `reuse_tag` (a key of `tags`, e.g. the weights digest): a version of the same run with the
-    same value of that tag is reused, so a retry never registers the same weights twice. Returns {version, promoted,
-    reason, previous}."""
+    """Register a model version; move `alias` to it only when `promote` and `value` beats the current holder's
+    (recorded in the version's tags and description either way); a version that does not take `alias` gets
+    CHALLENGER. The score is stored at full precision (repr) so that the next comparison is exact. `reuse_tag` (a key
+    of `tags`, e.g. the weights digest): a version of the same run with the same value of that tag is reused, so a
+    retry never registers the same weights twice. Returns {version, promoted, reason, previous}."""
     client = mlflow_client(uri)
     from mlflow.exceptions import MlflowException
 
@@ -427,8 +429,9 @@ def register_model(
     else:  # reused: its score tag says what this comparison used
         client.set_model_version_tag(name, mv.version, tag_key, repr(float(value)))
     promoted, reason = promotion(metric, float(value), alias, mv.version, previous)
-    if promoted:
-        client.set_registered_model_alias(name, alias, mv.version)
+    if not promote:  # an ad-hoc run (a probe, a debug run): compared for the record, never promoted
+        promoted, reason = False, f"promote=false: {alias} unchanged, version {mv.version} is {CHALLENGER}; {reason}"
+    client.set_registered_model_alias(name, alias if promoted else CHALLENGER, mv.version)
     client.set_model_version_tag(name, mv.version, "vime.promotion", reason)
     client.update_model_version(name, mv.version, description=reason)
     return {"version": int(mv.version), "promoted": promoted, "reason": reason, "previous": previous}
