@@ -31,7 +31,7 @@ from tasks.common import artifact_key, cfg_of, markdown, tracking_retries, train
 from tasks.convert import convert_checkpoint
 from tasks.download import download_dataset, download_model
 from tasks.evaluate import evaluate, log_evaluation
-from tasks.nightly import choose_candidate, run_label
+from tasks.nightly import choose_candidate, continuation_config, run_label
 from tasks.register import export_hf, register_model
 from tasks.tracking import finish_tracking, start_tracking, tracking_target
 from tasks.train import start_fresh, train_grpo
@@ -62,6 +62,8 @@ def grpo_pipeline(
         if nightly:
             cfg = choose_candidate(cfg, flow_run_id, flow_run.get_scheduled_start_time())
             logger.info(f"nightly candidate from {cfg.model.source} in {cfg.output_dir}")
+        else:  # a nightly dir continues from the night's own config
+            cfg = continuation_config(cfg, overrides or [])
         with output_dir_lock(cfg.output_dir, flow_run_id):
             summary = run_stages(cfg, flow_run_id, promote)
     except Exception as e:
@@ -82,6 +84,9 @@ def grpo_pipeline(
 
 
 def run_stages(cfg: RunConfig, flow_run_id: str | None, promote: bool = True) -> dict[str, Any]:
+    from vime_core.prepare import check_resume
+
+    check_resume(cfg)  # a refused resume fails here: before the MLflow run it would continue is touched
     config = cfg.model_dump(mode="json")
     retry = tracking_retries(cfg.tracking.outage_s)  # every task that talks to MLflow outlasts a server restart
     finish = finish_tracking.with_options(**retry)

@@ -9,7 +9,9 @@
 - its own MLflow run (named after that dir, tagged `prefect.flow_run_id`); the MLflow store stays the one the base
   config names (a nested output dir would otherwise move the default sqlite store).
 
-The choice is written to `<run dir>/candidate.json` on the first attempt and read back by every later one. The
+The choice is written to `<run dir>/candidate.json` on the first attempt and read back by every later one; the
+night's whole config to `<run dir>/config.yaml`, what a continuation of the dir starts from (`continuation_config`,
+infra/README's "extend a run on purpose"). The
 champion lookup is a task of its own (`choose_candidate`), retried like every tracking call (`tracking.outage_s`):
 outside a task, a tracking server down at 02:00 failed the night in 3 s.
 """
@@ -24,11 +26,12 @@ from typing import Any
 from prefect import task
 
 from tasks.common import TIMEOUTS, cfg_of, tracking_retries
-from vime_core.config import RunConfig, config_from_dict
+from vime_core.config import RunConfig, config_from_dict, dump_config, load_config
 from vime_core.fsutil import atomic_write_text
 from vime_core.tracking import alias_version, resolve_tracking_uri
 
 CANDIDATE_FILE = "candidate.json"
+NIGHT_CONFIG = "config.yaml"  # the night's whole config, as its first attempt ran it
 
 
 def registered_name(cfg: RunConfig) -> str:
@@ -87,6 +90,23 @@ def candidate_config(cfg: RunConfig, flow_run_id: str | None, scheduled: datetim
     data["tracking"]["uri"] = uri
     data["checkpoint"]["start_fresh"] = False  # a fresh dir; a retry must resume it
     data["checkpoint"]["resume"] = True  # (resume = false would refuse the first attempt's checkpoints on a retry)
+    night = config_from_dict(data)
+    atomic_write_text(run_dir / NIGHT_CONFIG, dump_config(night))
+    return night
+
+
+def continuation_config(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """`nightly=false` on a nightly dir: the night's own config (`<dir>/config.yaml`) with this run's overrides on
+    top. The base config it was given differs from the night's in model.source (the champion the night started from:
+    the checkpoint refuses the resume) and tracking.uri (unset, a nested output_dir moves the sqlite store). Any other
+    output_dir: `cfg` as it is. A night recorded before config.yaml existed gets its candidate.json's model source."""
+    recorded, choice = cfg.output_dir / NIGHT_CONFIG, cfg.output_dir / CANDIDATE_FILE
+    if not choice.is_file():
+        return cfg
+    if recorded.is_file():
+        return load_config(recorded, [*overrides, f"output_dir={cfg.output_dir}"])
+    data = cfg.model_dump(mode="json")
+    data["model"]["source"] = json.loads(choice.read_text())["model_source"]
     return config_from_dict(data)
 
 

@@ -9,7 +9,9 @@ One server, one worker, five flow runs, in order:
 2. a second night, the scheduler's other run of the same date (the test adds a second cron time; the scheduler
    created both in one batch, ids sharing their first 8 characters): a candidate from the champion, its own dir,
    MLflow run and model version; v1 stays as it was;
-3. the first night's dir continued with unchanged settings: nothing trained, `NothingTrained`, nothing registered;
+3. the second night's dir (trained from the champion) continued with infra/README's recipe and unchanged settings:
+   nothing trained, `NothingTrained`, nothing registered; with a fixed setting changed: refused before any task,
+   the champion's run untouched;
 4. the same dir with `checkpoint.start_fresh=true` and another seed: registers the weights it trained;
 5. a run on an output dir another process holds: refused, naming the holder.
 """
@@ -362,20 +364,26 @@ def nightly_dirs(d: dict) -> list[Path]:
     return sorted(p for p in (d["out"] / "runs" / "tiny-cpu" / "nightly").iterdir() if p.is_dir())
 
 
-@pytest.fixture(scope="module")
-def first_night_dir(deployment, first_night):
+def night_dir(d: dict, flow_run_id: str) -> Path:
     (run_dir,) = [
-        p
-        for p in nightly_dirs(deployment)
-        if json.loads((p / "candidate.json").read_text())["flow_run_id"] == first_night["run"]["id"]
+        p for p in nightly_dirs(d) if json.loads((p / "candidate.json").read_text())["flow_run_id"] == flow_run_id
     ]
     return run_dir
 
 
-def test_an_unchanged_rerun_trains_and_registers_nothing_and_says_so(deployment, second_night, first_night_dir, store):
+@pytest.fixture(scope="module")
+def first_night_dir(deployment, first_night):
+    return night_dir(deployment, first_night["run"]["id"])
+
+
+def test_an_unchanged_rerun_trains_and_registers_nothing_and_says_so(deployment, second_night, store):
+    """infra/README's continue recipe on the second night, which started from the champion: it resumes (before
+    issue 26 the base config's model.source made the checkpoint refuse it); its checkpoint covers every step."""
+    second_dir = night_dir(deployment, second_night["run"]["id"])
+    assert json.loads((second_dir / "candidate.json").read_text())["model_source"] == f"mlflow://models:/{MODEL}/1"
     before = len(store.search_model_versions(f"name = '{MODEL}'"))
     r, run = run_now(
-        deployment, {"nightly": False, "overrides": test_overrides(deployment["out"], f"output_dir={first_night_dir}")}
+        deployment, {"nightly": False, "overrides": test_overrides(deployment["out"], f"output_dir={second_dir}")}
     )
     assert run is not None
     state = api(deployment["env"], f"/flow_runs/{run['id']}")["state"]
@@ -388,6 +396,23 @@ def test_an_unchanged_rerun_trains_and_registers_nothing_and_says_so(deployment,
     logs = api(deployment["env"], "/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200})
     assert any("nothing trained: the checkpoint" in entry["message"] for entry in logs), [e["message"] for e in logs]
     assert len(store.search_model_versions(f"name = '{MODEL}'")) == before
+
+
+def test_a_failed_continuation_leaves_the_champions_run_as_it_was(deployment, second_night, store):
+    """The recipe with a fixed setting changed (seed): refused before the MLflow run, the model or an engine is
+    touched; the champion's finished run keeps its status, end time and tags."""
+    champion = store.get_model_version_by_alias(MODEL, "champion")
+    before = store.get_run(champion.run_id)
+    run_dir = before.data.tags["vime.output_dir"]
+    overrides = test_overrides(deployment["out"], f"output_dir={run_dir}", "rollout.num_rollout=4", "seed=99")
+    r, run = run_now(deployment, {"nightly": False, "overrides": overrides})
+    state = api(deployment["env"], f"/flow_runs/{run['id']}")["state"]
+    assert state["type"] == "FAILED" and "seed: 1234 -> 99" in state["message"], state
+    tasks = api(deployment["env"], "/task_runs/filter", {"task_runs": {"flow_run_id": {"any_": [run["id"]]}}})
+    assert tasks == [], [t["name"] for t in tasks]  # no download, tracking, conversion or engine start
+    after = store.get_run(champion.run_id)
+    assert (after.info.status, after.info.end_time) == ("FINISHED", before.info.end_time)
+    assert after.data.tags == before.data.tags
 
 
 def test_start_fresh_registers_the_weights_it_trained(deployment, second_night, first_night_dir, store, tmp_path):

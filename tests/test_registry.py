@@ -176,3 +176,30 @@ def test_every_evaluation_row_becomes_a_child_run_at_its_step(store):
         for m in client.get_metric_history(c.info.run_id, "eval/a/pass_at_1")
     )
     assert steps == [("eval-step-0", 0, 0.2), ("eval-step-3", 3, 0.3)]
+
+
+def test_a_night_trained_from_the_champion_is_continued_from_its_own_config(store, tmp_path):
+    """infra/README's recipe (nightly=false, the night's dir, more steps) on a night that started from a champion:
+    the base config (model.source builtin://..., no tracking.uri) was refused by the checkpoint after the engines
+    started; the night's recorded config with the recipe's overrides resumes it, and the check runs first."""
+    from tasks.nightly import candidate_config, continuation_config
+    from vime_core.checkpoint import Checkpointer
+    from vime_core.prepare import check_resume
+    from vime_core.resume import ResumeError
+
+    base = tmp_path / "runs" / "tiny-cpu"
+    register(store, tmp_path, fake_export(tmp_path / "e" / "iter_0000001", b"w"), 0.5, name="vime-tiny-cpu")
+    night = candidate_config(tiny_config(base, f"tracking.uri={store}"), "0a1b2c3d-night", None)
+    assert night.model.source == "mlflow://models:/vime-tiny-cpu/1"
+    ckpt = Checkpointer(night.save_dir)
+    ckpt.commit(ckpt.begin(2), 2, {"fingerprint_fields": night.fingerprint_fields()})
+    recipe = [f"output_dir={night.output_dir}", "rollout.num_rollout=40"]
+    as_given = tiny_config(base, *recipe)
+    with pytest.raises(ResumeError, match="model.source: 'mlflow://models:/vime-tiny-cpu/1' -> 'builtin://"):
+        check_resume(as_given)  # what the recipe did before: now refused before any engine starts
+    continued = continuation_config(as_given, recipe)
+    check_resume(continued)
+    assert (continued.model.source, continued.tracking.uri) == (night.model.source, store)
+    assert continued.rollout.num_rollout == 40 and continued.output_dir == night.output_dir
+    # a dir that is not a night's: the config as given
+    assert continuation_config(tiny_config(tmp_path / "plain"), []).model.source == as_given.model.source
