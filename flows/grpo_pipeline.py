@@ -115,10 +115,13 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None, promote: bool = True) ->
             step = trained["last_rollout_id"] + 1
             if trained["nothing_trained"] and already_registered(cfg, run_id, trained["last_checkpoint"]):
                 reason = f"{trained['nothing_trained']}; its policy is already registered"
-                finish(config, run_id, {}, step=step, tags={"vime.last_attempt": f"nothing trained: {reason}"[:5000]})
+                url = finish(
+                    config, run_id, {}, step=step, tags={"vime.last_attempt": f"nothing trained: {reason}"[:5000]}
+                )
                 return {
                     "config": cfg.name,
                     "mlflow_run_id": run_id,
+                    "mlflow run page": url,
                     "checkpoints": str(cfg.save_dir),
                     "nothing_trained": reason,
                 }
@@ -133,8 +136,8 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None, promote: bool = True) ->
             finish(config, run_id, {}, status="FAILED")
             raise
     summary = pipeline_summary(cfg, trained, final, registry, exported, run_id)
-    finish(config, run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, step=step)
-    return summary
+    url = finish(config, run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, step=step)
+    return {**summary, **({"mlflow run page": url} if url else {})}
 
 
 @contextmanager

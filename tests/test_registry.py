@@ -203,3 +203,14 @@ def test_a_night_trained_from_the_champion_is_continued_from_its_own_config(stor
     assert continued.rollout.num_rollout == 40 and continued.output_dir == night.output_dir
     # a dir that is not a night's: the config as given
     assert continuation_config(tiny_config(tmp_path / "plain"), []).model.source == as_given.model.source
+
+
+def test_mlflow_links_open_the_model_training_view():
+    from vime_core.tracking import run_url
+
+    server = run_url("http://127.0.0.1:5000/", "3", "abc")
+    assert server == "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
+    # a local store is opened with `mlflow ui` (vime-pipeline prints the command) on its default address
+    assert run_url("sqlite:////tmp/runs/mlflow.db", "1", "r").startswith(
+        "http://127.0.0.1:5000/#/experiments/1/runs/r?"
+    )

@@ -103,6 +103,10 @@ ARTIFACT_INLINE_LIMIT = 256 * 2**20  # larger exports are logged as a reference 
 # MLflow 3's UI opens an experiment without this tag in its GenAI (traces) view; this value selects the model
 # training view (the UI's ExperimentKind enum: genai_development | custom_model_development | ...)
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+# the UI's own switch to the model training view: a fresh browser opens MLflow 3 in the GenAI view whatever the
+# experiment's kind tag says (issue 26), so every URL we print or record carries it
+UI_VIEW = "workflowType=machine_learning"
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store (the command vime-pipeline prints)
 WEIGHTS_TAG = "vime.weights_sha256"  # on eval runs and model versions: the files that were scored / registered
 CHALLENGER = "challenger"  # the alias of the newest registered version that did not become champion
 
@@ -330,6 +334,13 @@ class EvalChildRuns:
 
     def close(self) -> None:
         pass
+
+
+def run_url(uri: str, experiment_id: str, run_id: str) -> str:
+    """The run's page in the MLflow UI, in the model training view: on the tracking server itself, or on
+    `mlflow ui` at LOCAL_UI for a local (sqlite) store."""
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{UI_VIEW}"
 
 
 def find_run_by_tag(uri: str, experiment: str, key: str, value: str) -> str | None:
