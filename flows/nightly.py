@@ -16,6 +16,7 @@ import sys
 
 import flows  # noqa: F401
 from flows.grpo_pipeline import grpo_pipeline
+from prefect.schedules import Cron
 
 DEFAULT_CRON = "0 2 * * *"  # 02:00 every night
 DEFAULT_NAME = "nightly-serve"
@@ -34,8 +35,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    from prefect.schedules import Cron
-
     grpo_pipeline.serve(
         name=args.name,
         # as infra/prefect.yaml: the scheduled runs compete for `champion`, ad-hoc runs register a `challenger`

@@ -11,9 +11,9 @@
 
 The choice is written to `<run dir>/candidate.json` on the first attempt and read back by every later one; the
 night's whole config to `<run dir>/config.yaml`, what a continuation of the dir starts from (`continuation_config`,
-infra/README's "extend a run on purpose"). The
-champion lookup is a task of its own (`choose_candidate`), retried like every tracking call (`tracking.outage_s`):
-outside a task, a tracking server down at 02:00 failed the night in 3 s.
+infra/README's "extend a run on purpose"). The champion lookup is a task of its own (`choose_candidate`), retried
+like every tracking call (`tracking.outage_s`): outside a task, a tracking server down at 02:00 failed the night
+in 3 s.
 """
 
 from __future__ import annotations
