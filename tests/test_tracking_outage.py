@@ -1,4 +1,5 @@
-"""An MLflow tracking server that is down when a night starts: the champion lookup retries until it is back.
+"""An MLflow tracking server that is down when a night starts or during its training: the champion lookup
+retries until it is back, and the metrics logged meanwhile reach the run when it answers again.
 
 A real `mlflow server` on 127.0.0.1 holds a champion; it is stopped, the lookup flow (tests/helpers/champion_lookup.py,
 Prefect ephemeral mode in its own process) starts, and the server is started again 20 s after the lookup's first
@@ -9,51 +10,21 @@ issue's scenario to keep the test under ~2 minutes on the 2-core box.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
+import threading
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
+from tests.helpers.mlflow_server import start_server, stop_server
 from tests.helpers.tiny import REPO
 from vime_core.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
-BIN = Path(sys.executable).parent
 OUTAGE_AFTER_FIRST_FAILURE_S = 20
 MODEL = "vime-tiny-cpu"  # registered_name of configs/tiny-cpu.yaml
-
-
-def start_server(root: Path, port: int) -> subprocess.Popen:
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "DO_NOT_TRACK": "true"}
-    args = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port)]
-    args += ["--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "art")]
-    log = open(root / "server.log", "a")
-    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, (root / "server.log").read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(1)
-    raise TimeoutError((root / "server.log").read_text()[-3000:])
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.fixture
@@ -109,3 +80,42 @@ def test_the_champion_lookup_outlasts_a_tracking_server_restart(server_with_a_ch
     text = log.read_text()
     assert f"model source: mlflow://models:/{MODEL}/1" in text, text[-3000:]
     assert "Retry 2/" in text, "a single retry 2 s later would have failed too: the server was down for 20 s"
+
+
+def test_metrics_logged_during_an_outage_reach_the_run_when_the_server_is_back(tmp_path):
+    """The train task's MLflow sinks (tasks/train.py tracking_sinks) while the server restarts: training rows and an
+    evaluation (a child run) logged while it is down are kept, then sent; an error of the store itself still raises."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from vime_core.outage import OutageTolerantSink
+    from vime_core.tracking import EvalChildRuns, MlflowRun, MultiSink
+
+    root, port = tmp_path / "server", free_port()
+    root.mkdir()
+    uri = f"http://127.0.0.1:{port}"
+    procs = [start_server(root, port)]
+    try:
+        run = MlflowRun(uri, "outage-sink", run_name="night")
+        sinks = [OutageTolerantSink(s, uri, 120) for s in (run, EvalChildRuns(run, "outage-sink", uri))]
+        sink = MultiSink(*sinks)
+        sink.log_metrics(0, {"rollout/raw_reward": 0.1})
+        stop_server(procs[0])
+        sink.log_metrics(1, {"rollout/raw_reward": 0.2})  # the server is down: kept, training goes on
+        sink.log_metrics(2, {"eval/a/pass@1": 0.3})
+        assert [len(s.pending) for s in sinks] == [2, 1]
+        restart = threading.Thread(target=lambda: procs.append(start_server(root, port)))
+        restart.start()
+        sink.close()  # waits for the server, then sends what was kept
+        restart.join()
+        client = MlflowClient(tracking_uri=uri)
+        reward = client.get_metric_history(run.run_id, "rollout/raw_reward")
+        assert [(m.step, m.value) for m in reward] == [(0, 0.1), (1, 0.2)]
+        exp = client.get_experiment_by_name("outage-sink")
+        (child,) = client.search_runs([exp.experiment_id], filter_string="attributes.run_name = 'eval-step-2'")
+        assert child.data.metrics["eval/a/pass_at_1"] == 0.3
+        client.delete_run(run.run_id)
+        with pytest.raises(MlflowException):  # the server answers: not an outage, never kept
+            OutageTolerantSink(run, uri, 120).log_metrics(3, {"rollout/raw_reward": 0.4})
+    finally:
+        stop_server(procs[-1])

@@ -236,10 +236,10 @@ class MlflowRun:
             self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=all_tags).info.run_id
 
     # MetricsSink
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+    def log_metrics(self, step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> None:
         from mlflow.entities import Metric
 
-        ts = int(time.time() * 1000)
+        ts = timestamp_ms or int(time.time() * 1000)
         batch = [
             Metric(mlflow_key(k), float(v), ts, step)
             for k, v in metrics.items()
@@ -316,7 +316,7 @@ class EvalChildRuns:
     def __init__(self, parent: MlflowRun, experiment: str, uri: str):
         self.parent, self.experiment, self.uri = parent, experiment, uri
 
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+    def log_metrics(self, step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> None:
         if metrics and all(k.startswith(("eval/", "perf/eval_time/")) for k in metrics):
             child = MlflowRun(
                 self.uri,
@@ -329,7 +329,7 @@ class EvalChildRuns:
                     "vime.eval.weights": "trainer (synced to vLLM)",
                 },
             )
-            child.log_metrics(step, metrics)
+            child.log_metrics(step, metrics, timestamp_ms)
             child.end()
 
     def close(self) -> None:
