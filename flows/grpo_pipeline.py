@@ -8,6 +8,8 @@ Two modes (the `nightly` parameter):
   its latest checkpoint and continues the same MLflow run; a larger `rollout.num_rollout` extends it.
 - nightly=True (the deployment's default): a new candidate from the current champion, in its own output dir and
   MLflow run, keyed by the flow run (tasks/nightly.py); a retry of that flow run resumes it.
+`promote` (true for the deployment's schedule, false for its ad-hoc runs: infra/prefect.yaml; true for
+`vime-pipeline`): false registers the policy as `challenger` and never moves `champion`.
 A run with nothing new to train or register ends Completed under the name `NothingTrained`, with the reason as its
 message and a "Nothing trained" artifact, and registers nothing. The output dir is locked for the whole run.
 """
@@ -25,11 +27,11 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
-from tasks.common import artifact_key, cfg_of, markdown, train_timeout
+from tasks.common import artifact_key, cfg_of, markdown, tracking_retries, train_timeout
 from tasks.convert import convert_checkpoint
 from tasks.download import download_dataset, download_model
 from tasks.evaluate import evaluate, log_evaluation
-from tasks.nightly import candidate_config, run_label
+from tasks.nightly import choose_candidate, continuation_config, run_label
 from tasks.register import export_hf, register_model
 from tasks.tracking import finish_tracking, start_tracking, tracking_target
 from tasks.train import start_fresh, train_grpo
@@ -42,9 +44,13 @@ NOTHING_TRAINED = "NothingTrained"  # the Prefect state name (type COMPLETED) of
 
 @flow(name="grpo-pipeline", log_prints=True)
 def grpo_pipeline(
-    config_path: str = "configs/tiny-cpu.yaml", overrides: list[str] | None = None, nightly: bool = False
+    config_path: str = "configs/tiny-cpu.yaml",
+    overrides: list[str] | None = None,
+    nightly: bool = False,
+    promote: bool = True,
 ):
-    """GRPO post-training of a Qwen3 model, from source checkpoint to a registered, evaluated policy."""
+    """GRPO post-training of a Qwen3 model, from source checkpoint to a registered, evaluated policy. `promote`:
+    whether the registered version may take `champion` (false: it becomes `challenger` whatever its score)."""
     from vime_core.orphans import start_watchdog
 
     # here too, not only in main(): a deployment's worker runs this body without main(), and a SIGKILLed flow run
@@ -55,10 +61,12 @@ def grpo_pipeline(
     flow_run_id = flow_run.get_id()
     try:
         if nightly:
-            cfg = candidate_config(cfg, flow_run_id, flow_run.get_scheduled_start_time())
+            cfg = choose_candidate(cfg, flow_run_id, flow_run.get_scheduled_start_time())
             logger.info(f"nightly candidate from {cfg.model.source} in {cfg.output_dir}")
+        else:  # a nightly dir continues from the night's own config
+            cfg = continuation_config(cfg, overrides or [])
         with output_dir_lock(cfg.output_dir, flow_run_id):
-            summary = run_stages(cfg, flow_run_id)
+            summary = run_stages(cfg, flow_run_id, promote)
     except Exception as e:
         report_failure(cfg.name, e)
         raise
@@ -76,8 +84,13 @@ def grpo_pipeline(
     return summary
 
 
-def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
+def run_stages(cfg: RunConfig, flow_run_id: str | None, promote: bool = True) -> dict[str, Any]:
+    from vime_core.prepare import check_resume
+
+    check_resume(cfg)  # a refused resume fails here: before the MLflow run it would continue is touched
     config = cfg.model_dump(mode="json")
+    retry = tracking_retries(cfg.tracking.outage_s)  # every task that talks to MLflow outlasts a server restart
+    finish = finish_tracking.with_options(**retry)
     model = download_model(cfg.model.source, tracking_target(cfg)[0])
     datasets = [download_dataset(s) for s in dict.fromkeys([cfg.data.source, *(d.source for d in cfg.eval.datasets)])]
     run_name = (
@@ -85,7 +98,7 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
         if cfg.output_dir.parent.name == "nightly"
         else run_label(cfg, flow_run_id, None)
     )
-    run_id = start_tracking(config, model, run_name, flow_run_id, datasets)
+    run_id = start_tracking.with_options(**retry)(config, model, run_name, flow_run_id, datasets)
     if cfg.checkpoint.start_fresh:
         config = start_fresh(config)
     elif not cfg.checkpoint.resume:  # refused beside old checkpoints; else a retried train task must resume its own
@@ -103,12 +116,13 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
             step = trained["last_rollout_id"] + 1
             if trained["nothing_trained"] and already_registered(cfg, run_id, trained["last_checkpoint"]):
                 reason = f"{trained['nothing_trained']}; its policy is already registered"
-                finish_tracking(
+                url = finish(
                     config, run_id, {}, step=step, tags={"vime.last_attempt": f"nothing trained: {reason}"[:5000]}
                 )
                 return {
                     "config": cfg.name,
                     "mlflow_run_id": run_id,
+                    "mlflow run page": url,
                     "checkpoints": str(cfg.save_dir),
                     "nothing_trained": reason,
                 }
@@ -117,13 +131,14 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None) -> dict[str, Any]:
             if cfg.eval.datasets:
                 final = evaluate(config, exported)
                 log_evaluation(config, final, exported, run_id, step=step)
-                registry = register_model(config, exported, run_id, final, trained["last_checkpoint"])
+                register = register_model.with_options(**retry)
+                registry = register(config, exported, run_id, final, trained["last_checkpoint"], promote)
         except BaseException:
-            finish_tracking(config, run_id, {}, status="FAILED")
+            finish(config, run_id, {}, status="FAILED")
             raise
     summary = pipeline_summary(cfg, trained, final, registry, exported, run_id)
-    finish_tracking(config, run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, step=step)
-    return summary
+    url = finish(config, run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, step=step)
+    return {**summary, **({"mlflow run page": url} if url else {})}
 
 
 @contextmanager

@@ -16,6 +16,7 @@ import sys
 
 import flows  # noqa: F401
 from flows.grpo_pipeline import grpo_pipeline
+from prefect.schedules import Cron
 
 DEFAULT_CRON = "0 2 * * *"  # 02:00 every night
 DEFAULT_NAME = "nightly-serve"
@@ -36,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     grpo_pipeline.serve(
         name=args.name,
-        cron=args.cron,
-        parameters={"config_path": args.config, "overrides": args.overrides, "nightly": True},
+        # as infra/prefect.yaml: the scheduled runs compete for `champion`, ad-hoc runs register a `challenger`
+        schedules=[Cron(args.cron, parameters={"promote": True})],
+        parameters={"config_path": args.config, "overrides": args.overrides, "nightly": True, "promote": False},
         description="Nightly GRPO post-training: a candidate from the champion, trained, evaluated, registered.",
         tags=["vime-flow", "nightly"],
         limit=1,

@@ -27,6 +27,17 @@ TIMEOUTS = {
 TRAIN_TIMEOUT_PER_STEP = HOUR  # the train task gets 1 h + 1 h per rollout step
 
 
+def tracking_retries(outage_s: float) -> dict[str, Any]:
+    """Prefect `with_options` for a task that talks to MLflow: retry delays 2, 4, 8, ... s, capped at 60 s, until
+    they sum to `outage_s` (`tracking.outage_s`). The old fixed [2, 10] gave up after 12 s, while a restarted
+    tracking server took ~40 s to answer again (issue 26); 180 s: 7 retries over 182 s. At most 34 delays
+    (outage_s <= 1800), under Prefect's limit of 50."""
+    delays: list[int] = []
+    while sum(delays) < outage_s:
+        delays.append(min(2 ** (len(delays) + 1), 60))
+    return {"retries": len(delays), "retry_delay_seconds": delays or 0, "retry_condition_fn": is_transient}
+
+
 def train_timeout(num_rollout: int) -> int:
     return HOUR + TRAIN_TIMEOUT_PER_STEP * num_rollout
 

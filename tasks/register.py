@@ -12,7 +12,7 @@ from tasks.nightly import registered_name
 from tasks.tracking import tracking_target
 from vime_core.checkpoint import convert_torch_dist_to_hf
 from vime_core.sources import weights_digest
-from vime_core.tracking import WEIGHTS_TAG, MlflowRun, register_model as register_version
+from vime_core.tracking import CHALLENGER, WEIGHTS_TAG, MlflowRun, register_model as register_version
 
 
 @task(
@@ -53,9 +53,11 @@ def register_model(
     run_id: str | None,
     metrics: dict[str, float],
     checkpoint: str | None = None,
+    promote: bool = True,
 ) -> dict[str, Any]:
-    """A new model version owning a copy of `export_dir`; `champion` moves only on a strictly better score. The
-    run's tag vime.registered_checkpoint lets a re-run see that this checkpoint's policy is registered already."""
+    """A new model version owning a copy of `export_dir`; `champion` moves only on a strictly better score and only
+    when `promote` (the flow's parameter); a version that does not take it becomes `challenger`. The run's tag
+    vime.registered_checkpoint lets a re-run see that this checkpoint's policy is registered already."""
     cfg = cfg_of(config)
     if not run_id:
         return {"registered": False, "reason": "tracking disabled"}
@@ -74,6 +76,7 @@ def register_model(
         metrics[metric],
         tags={WEIGHTS_TAG: digest, "vime.export_dir": str(export_dir)},
         reuse_tag=WEIGHTS_TAG,
+        promote=promote,
     )  # a retry after create_model_version reuses that version
     run.set_tags(
         {
@@ -89,6 +92,7 @@ def register_model(
             "model": name,
             "version": info["version"],
             "champion moved": info["promoted"],
+            "alias": "champion" if info["promoted"] else CHALLENGER,
             "why": info["reason"],
             "weights sha256": digest,
         },

@@ -6,14 +6,23 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
+from prefect.runtime import flow_run as prefect_flow_run
 
 from tasks.common import TIMEOUTS, cfg_of, is_transient
 from vime_core.checkpoint import Checkpointer
 from vime_core.config import dump_config, flatten
 from vime_core.platform import detect_platform
-from vime_core.tracking import MlflowRun, environment_tags, find_run_by_tag, resolve_tracking_uri, safe_params
+from vime_core.tracking import (
+    MlflowRun,
+    environment_tags,
+    find_run_by_tag,
+    resolve_tracking_uri,
+    run_url,
+    safe_params,
+)
 
 FLOW_RUN_TAG = "prefect.flow_run_id"
+FLOW_RUN_NAME_TAG = "prefect.flow_run_name"
 
 
 def tracking_target(cfg) -> tuple[str, str]:
@@ -90,7 +99,11 @@ def start_tracking(
         "mlflow.source.type": "JOB",
     }
     if flow_run_id:
-        tags[FLOW_RUN_TAG] = flow_run_id
+        # `--flow-run-name` reaches MLflow: the run's name is the night's unique label, the flow run's name is a
+        # tag (searchable: tags.`prefect.flow_run_name` = 'lr-probe') and the run's description
+        name = prefect_flow_run.get_name()
+        tags |= {FLOW_RUN_TAG: flow_run_id, FLOW_RUN_NAME_TAG: name}
+        tags["mlflow.note.content"] = f"Prefect flow run `{name}` ({flow_run_id})"
     continued = run_id_to_continue(cfg, flow_run_id)
     run = MlflowRun(
         uri, experiment, run_name=run_name, run_id=continued, tags=tags, artifact_root=artifact_root(cfg, uri)
@@ -115,13 +128,15 @@ def finish_tracking(
     status: str = "FINISHED",
     step: int = 0,
     tags: dict[str, str] | None = None,
-) -> None:
+) -> str | None:
+    """Log the summary, end the run; -> the run's page in the MLflow UI (None without tracking)."""
     cfg = cfg_of(config)
     if not run_id:
-        return
+        return None
     uri, experiment = tracking_target(cfg)
     run = MlflowRun(uri, experiment, run_id=run_id)
     run.log_metrics(step, {f"summary/{k}": v for k, v in summary.items()})
     if tags:
         run.set_tags(tags)
     run.end(status)
+    return run_url(uri, run.client.get_run(run_id).info.experiment_id, run_id)

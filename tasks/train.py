@@ -14,6 +14,7 @@ from tasks.common import RETRY_DELAYS, artifact_key, cfg_of, is_transient, markd
 from tasks.tracking import tracking_target
 from vime_core.logs import StepProgress
 from vime_core.loop import move_outputs_aside, run
+from vime_core.outage import OutageTolerantSink, wait_reachable
 from vime_core.tracking import EvalChildRuns, JsonlSink, MlflowRun, MultiSink
 
 
@@ -41,6 +42,18 @@ def system_metrics(run_id: str | None, uri: str):
     return monitor
 
 
+def tracking_sinks(cfg, mlflow_run_id: str | None) -> tuple[MlflowRun | None, list]:
+    """The pipeline's run and its evaluation child runs as metrics sinks that keep what a restarting tracking
+    server does not take and send it later (`tracking.outage_s`): training goes on through the outage."""
+    if not mlflow_run_id:
+        return None, []
+    uri, experiment = tracking_target(cfg)
+    wait_reachable(uri, cfg.tracking.outage_s)  # a server restarting as the task starts is waited for, not a retry
+    tracker = MlflowRun(uri, experiment, run_id=mlflow_run_id)
+    evals = EvalChildRuns(tracker, experiment, uri)
+    return tracker, [OutageTolerantSink(s, uri, cfg.tracking.outage_s) for s in (tracker, evals)]
+
+
 @task(name="train-grpo", retries=2, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=is_transient)
 def train_grpo(
     config: dict[str, Any],
@@ -51,10 +64,9 @@ def train_grpo(
 ) -> dict[str, Any]:
     cfg = cfg_of(config)
     logger = get_run_logger()
-    uri, experiment = tracking_target(cfg)
-    tracker = MlflowRun(uri, experiment, run_id=mlflow_run_id) if mlflow_run_id else None
-    evals = EvalChildRuns(tracker, experiment, uri) if tracker else None
-    sink = MultiSink(tracker, evals, JsonlSink(cfg.output_dir / "metrics.jsonl", append=True))
+    uri = tracking_target(cfg)[0]
+    tracker, mlflow_sinks = tracking_sinks(cfg, mlflow_run_id)
+    sink = MultiSink(*mlflow_sinks, JsonlSink(cfg.output_dir / "metrics.jsonl", append=True))
     progress = create_progress_artifact(
         progress=0.0, key=artifact_key(cfg.name, "train-progress"), description=f"GRPO rollout steps of {cfg.name}"
     )
@@ -103,6 +115,7 @@ def train_grpo(
         "num_rollout": cfg.rollout.num_rollout,
     }
     if tracker and result.last_checkpoint and cfg.tracking.log_checkpoints:
+        wait_reachable(uri, cfg.tracking.outage_s)
         tracker.log_text(
             json.dumps({"checkpoint_dir": str(cfg.save_dir), "latest": str(result.last_checkpoint)}, indent=2),
             "checkpoints.json",

@@ -162,3 +162,38 @@ def test_the_serve_deployment_cannot_take_over_the_yaml_one(capsys):
     assert DEFAULT_NAME not in yaml_names
     assert main(["--name", yaml_names[0]]) == 2
     assert "would take over the deployment made from infra/prefect.yaml" in capsys.readouterr().err
+
+
+def test_two_flow_runs_whose_ids_share_a_prefix_get_two_dirs_and_run_names(tmp_path):
+    """Two ids as Prefect's scheduler made them in one batch (time-ordered, the first 8 characters alike): the
+    e2e test (tests/test_pipeline_e2e.py, second night) runs two such nights through the scheduler."""
+    from datetime import datetime, timezone
+
+    from tasks.nightly import candidate_config, run_label
+
+    cfg = tiny_config(tmp_path / "runs" / "tiny-cpu", "tracking.enabled=false")
+    day = datetime(2026, 12, 1, 2, 0, tzinfo=timezone.utc)
+    ids = "019ad9b4-1c2e-7f00-8a1b-3c4d5e6f7a80", "019ad9b4-1c2e-7f01-9b2c-4d5e6f7a8b91"
+    dirs = [candidate_config(cfg, i, day).output_dir for i in ids]
+    names = [run_label(cfg, i, day) for i in ids]
+    assert dirs[0] != dirs[1] and names[0] != names[1]
+    assert [d.name[:9] for d in dirs] == ["20261201-"] * 2 and all(n.startswith("tiny-cpu-20261201-") for n in names)
+
+
+@pytest.mark.parametrize("outage_s", [0, 12, 180, 1800])
+def test_tracking_retries_cover_the_configured_outage(outage_s):
+    from tasks.common import tracking_retries
+
+    options = tracking_retries(outage_s)
+    delays = options["retry_delay_seconds"] or []
+    assert options["retries"] == len(delays) <= 50  # Prefect refuses more than 50 delays
+    assert sum(delays) >= outage_s and (not delays or sum(delays) - delays[-1] < outage_s)
+    assert all(b == min(2 * a, 60) for a, b in zip(delays, delays[1:]))
+
+
+def test_the_schedule_promotes_and_ad_hoc_runs_of_the_deployment_do_not():
+    import yaml
+
+    (dep,) = yaml.safe_load((REPO / "infra" / "prefect.yaml").read_text())["deployments"]
+    assert dep["parameters"]["promote"] is False  # `prefect deployment run` without --param promote=true
+    assert [s["parameters"]["promote"] for s in dep["schedules"]] == [True]

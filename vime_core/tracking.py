@@ -124,7 +124,12 @@ ARTIFACT_INLINE_LIMIT = 256 * 2**20  # larger exports are logged as a reference 
 # MLflow 3's UI opens an experiment without this tag in its GenAI (traces) view; this value selects the model
 # training view (the UI's ExperimentKind enum: genai_development | custom_model_development | ...)
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+# the UI's own switch to the model training view: a fresh browser opens MLflow 3 in the GenAI view whatever the
+# experiment's kind tag says (issue 26), so every URL we print or record carries it
+UI_VIEW = "workflowType=machine_learning"
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store (the command vime-pipeline prints)
 WEIGHTS_TAG = "vime.weights_sha256"  # on eval runs and model versions: the files that were scored / registered
+CHALLENGER = "challenger"  # the alias of the newest registered version that did not become champion
 
 
 class TrackingError(VimeError, RuntimeError):
@@ -283,10 +288,10 @@ class MlflowRun:
             self.run_id = self.client.create_run(exp_id, run_name=run_name, tags=all_tags).info.run_id
 
     # MetricsSink
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+    def log_metrics(self, step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> None:
         from mlflow.entities import Metric
 
-        ts = int(time.time() * 1000)
+        ts = timestamp_ms or int(time.time() * 1000)
         batch = [
             Metric(mlflow_key(k), float(v), ts, step)
             for k, v in metrics.items()
@@ -363,7 +368,7 @@ class EvalChildRuns:
     def __init__(self, parent: MlflowRun, experiment: str, uri: str):
         self.parent, self.experiment, self.uri = parent, experiment, uri
 
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+    def log_metrics(self, step: int, metrics: dict[str, float], timestamp_ms: int | None = None) -> None:
         if metrics and all(k.startswith(("eval/", "perf/eval_time/")) for k in metrics):
             child = MlflowRun(
                 self.uri,
@@ -376,11 +381,18 @@ class EvalChildRuns:
                     "vime.eval.weights": "trainer (synced to vLLM)",
                 },
             )
-            child.log_metrics(step, metrics)
+            child.log_metrics(step, metrics, timestamp_ms)
             child.end()
 
     def close(self) -> None:
         pass
+
+
+def run_url(uri: str, experiment_id: str, run_id: str) -> str:
+    """The run's page in the MLflow UI, in the model training view: on the tracking server itself, or on
+    `mlflow ui` at LOCAL_UI for a local (sqlite) store."""
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{UI_VIEW}"
 
 
 def find_run_by_tag(uri: str, experiment: str, key: str, value: str) -> str | None:
@@ -441,12 +453,13 @@ def register_model(
     alias: str = "champion",
     tags: dict[str, str] | None = None,
     reuse_tag: str | None = None,
+    promote: bool = True,
 ) -> dict[str, Any]:
-    """Register a model version; move `alias` to it only when `value` beats the current holder's (recorded in the
-    version's tags and description either way). The score is stored at full precision (repr) so that the next
-    comparison is exact. `reuse_tag` (a key of `tags`, e.g. the weights digest): a version of the same run with the
-    same value of that tag is reused, so a retry never registers the same weights twice. Returns {version, promoted,
-    reason, previous}."""
+    """Register a model version; move `alias` to it only when `promote` and `value` beats the current holder's
+    (recorded in the version's tags and description either way); a version that does not take `alias` gets
+    CHALLENGER. The score is stored at full precision (repr) so that the next comparison is exact. `reuse_tag` (a key
+    of `tags`, e.g. the weights digest): a version of the same run with the same value of that tag is reused, so a
+    retry never registers the same weights twice. Returns {version, promoted, reason, previous}."""
     client = mlflow_client(uri)
     from mlflow.exceptions import MlflowException
 
@@ -479,8 +492,9 @@ def register_model(
     else:  # reused: its score tag says what this comparison used
         client.set_model_version_tag(name, mv.version, tag_key, repr(float(value)))
     promoted, reason = promotion(metric, float(value), alias, mv.version, previous)
-    if promoted:
-        client.set_registered_model_alias(name, alias, mv.version)
+    if not promote:  # an ad-hoc run (a probe, a debug run): compared for the record, never promoted
+        promoted, reason = False, f"promote=false: {alias} unchanged, version {mv.version} is {CHALLENGER}; {reason}"
+    client.set_registered_model_alias(name, alias if promoted else CHALLENGER, mv.version)
     client.set_model_version_tag(name, mv.version, "vime.promotion", reason)
     client.update_model_version(name, mv.version, description=reason)
     return {"version": int(mv.version), "promoted": promoted, "reason": reason, "previous": previous}

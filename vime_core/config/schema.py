@@ -348,6 +348,18 @@ class TrackingConfig(Section):
     log_checkpoints: Annotated[bool, FREE, Field(description="Log checkpoint locations as artifacts references.")] = (
         True
     )
+    outage_s: Annotated[
+        float,
+        FREE,
+        Field(
+            ge=0,
+            le=1800,
+            description="How long a pipeline's tracking tasks (the nightly champion lookup, opening, registering and "
+            "closing the MLflow run) keep retrying a tracking server that does not answer, and the train task waits "
+            "for it to take the metrics it kept meanwhile: retries 2 s apart, doubling up to 60 s, until their sum "
+            "covers this many seconds; 0: no retries.",
+        ),
+    ] = 180.0
 
 
 # --------------------------------------------------------------------------------------------------------------------
