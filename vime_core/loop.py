@@ -175,7 +175,11 @@ def train_loop(
             ),
             cfg,
         )
-        router = RolloutRouter(create_engines(cfg, placement, p.platform, str(p.model_dir)), cfg.rollout.timeout_s)
+        router = RolloutRouter(
+            create_engines(cfg, placement, p.platform, str(p.model_dir)),
+            cfg.rollout.timeout_s,
+            cfg.rollout.stall_timeout_s,
+        )
         # colocated GPUs: the trainers allocate only once the engines have sized their KV caches
         wait_ready(
             trainer.actors, router.engines, max(cfg.rollout.timeout_s, cfg.train.timeout_s), placement.colocated_gpu

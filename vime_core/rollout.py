@@ -29,7 +29,8 @@ from typing import Any
 from vime_core.aio import run_sync
 from vime_core.errors import VimeError
 from vime_core.kv_cache import kv_cache_tokens, max_num_seqs
-from vime_core.rpc import call_all, gather
+from vime_core.progress import Heartbeat
+from vime_core.rpc import Stall, call_all, gather
 from vime_core.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class EngineOptions:
     enforce_eager: bool = False
     custom_generate: str | None = None
     sleep_mode: bool = False  # colocated GPU engines release their memory while the trainer works
+    name: str = "vLLM engine 0"  # what the router calls it: its progress beats (vime_core.progress) carry it
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -189,10 +191,24 @@ class VLLMEngine:
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0
+        self._beat_per_step(Heartbeat(opts.name))
         self.custom_generate = None
         if opts.custom_generate:
             self.custom_generate = load_custom_generate(opts.custom_generate)
         log.info("vLLM engine up in %.1fs (%s, %s)", self.start_seconds, opts.model_path, opts.dtype)
+
+    def _beat_per_step(self, heartbeat: Heartbeat) -> None:
+        """A beat after every engine step (the loop of `LLM.generate` calls `llm_engine.step()` until every request
+        finished): a hung engine stops beating at once, however long its generate call may take in total."""
+        engine = self.llm.llm_engine
+        step = engine.step
+
+        def beating_step(*args, **kwargs):
+            out = step(*args, **kwargs)
+            heartbeat.beat("an engine step")
+            return out
+
+        engine.step = beating_step
 
     def ready(self) -> float:
         return self.start_seconds
@@ -349,11 +365,17 @@ def assign_groups(costs: list[int], num_engines: int) -> list[list[int]]:
 class RolloutRouter:
     """Spreads groups over engine actors and gathers the samples back in request order."""
 
-    def __init__(self, engines: list[Any], timeout_s: float | None = None):
+    def __init__(self, engines: list[Any], timeout_s: float | None = None, stall_s: float | None = None):
         if not engines:
             raise ValueError("the router needs at least one engine")
         self.engines = engines
         self.timeout_s = timeout_s  # rollout.timeout_s: a call that takes longer raises naming the engine
+        # rollout.stall_timeout_s: an engine that completes no engine step for this long raises much sooner
+        self.stall = (
+            Stall(stall_s, "rollout.stall_timeout_s", "no engine step finished (no token produced)")
+            if stall_s
+            else None
+        )
 
     def generate(
         self,
@@ -372,6 +394,7 @@ class RolloutRouter:
             f"generate ({sum(len(ix) for _, ix in busy)} prompt groups)",
             timeout_s or self.timeout_s,
             setting,
+            self.stall,
         )
         out: list[list[Sample] | None] = [None] * len(requests)
         for (_, ix), groups in zip(busy, results):

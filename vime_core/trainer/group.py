@@ -28,7 +28,7 @@ class TrainerGroup:
         )
 
     def train(self, rollout_id: int, groups: list) -> dict[str, float]:
-        from vime_core.rpc import gather
+        from vime_core.rpc import Stall, gather
 
         t = self.cfg.train
         samples, metrics = make_train_batch(groups, self.cfg)
@@ -44,6 +44,7 @@ class TrainerGroup:
             f"train (rollout {rollout_id})",
             t.timeout_s,
             "train.timeout_s",
+            Stall(t.stall_timeout_s, "train.stall_timeout_s", "no micro-batch or optimizer step finished"),
         )
         return {**metrics, **done[0]}
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from vime_core.config import RunConfig
+from vime_core.progress import Heartbeat
 from vime_core.schedule import cpu_threads, ray_node_id
 from vime_core.sync import cpu as sync_cpu, cuda_ipc, nccl
 from vime_core.sync.base import BucketExport, hf_named, release_device_cache
@@ -50,6 +51,7 @@ class Trainer(TrainStep, RankCheckpoint):
         apply_offline_env()
         apply_megatron_compat()  # imports megatron: with defer_start, this overlaps the engines' start
         self.cfg, self.rank, self.world_size, self.platform = cfg, rank, world_size, platform
+        self.heartbeat = Heartbeat(f"trainer rank {rank}")  # the name TrainerGroup's calls give this rank
         self._pending: tuple | None = (model_dir, master_addr, master_port, init_checkpoint)
         if not defer_start:
             self.start()

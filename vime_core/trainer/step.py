@@ -33,7 +33,7 @@ from vime_core.trainer.batching import TrainSample, pack_micro_batches
 class TrainStep:
     """Mixed into `Trainer` (vime_core.trainer.rank), which sets what these methods read: `cfg`, `device`, `ps`
     (megatron's parallel state), `model` / `ref_model`, `optim` (an OptimizerAdapter), `optimizer_kind`, `peaks`,
-    `step` and `world_size`."""
+    `step`, `world_size` and `heartbeat` (vime_core.progress)."""
 
     # -- forward ------------------------------------------------------------------------------------------------------
     def _forward(
@@ -87,6 +87,7 @@ class TrainStep:
                 logp, _, sid = self._forward(model, [samples[i] for i in mb], with_entropy=False)
                 for j, i in enumerate(mb):
                     out[i] = logp[sid == j].cpu()
+                self.heartbeat.beat("a no-grad forward")
         return out  # type: ignore[return-value]
 
     def _logprobs_of_live(self, model, samples: list[TrainSample]) -> list[torch.Tensor]:
@@ -181,6 +182,7 @@ class TrainStep:
                 denom,
             )
             (loss * scale).backward()
+            self.heartbeat.beat("a micro-batch")  # the driver's stall check (train.stall_timeout_s) reads these
             loss_share = loss_share + loss.detach()
             for k in METRIC_KEYS:
                 sums[k] = sums[k] + part[k]
@@ -192,6 +194,7 @@ class TrainStep:
         t_opt = time.perf_counter()  # host_floats synchronized above: this times the optimizer's own work
         grad_norm = self.optim.apply(lr, loss, f"optimizer step {self.step}")
         opt_time = time.perf_counter() - t_opt
+        self.heartbeat.beat("an optimizer step")
         self.step += 1
         out = step_train_metrics(dict(zip(METRIC_KEYS, totals)), int(all_trained), loss, g)
         out["perf/optimizer_step_time"] = opt_time
