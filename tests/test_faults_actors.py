@@ -37,6 +37,9 @@ class Sleepy:
     def save_checkpoint(self, path):
         time.sleep(self.hang)
 
+    def shutdown(self):
+        pass
+
 
 @pytest.fixture(scope="module")
 def local_ray(tmp_path_factory):
@@ -168,3 +171,17 @@ def test_a_stall_window_of_zero_leaves_only_the_timeout(local_ray):
         gather([a.work.remote(0, 0.0, then_hang_s=60)], ["worker 3"], "work", 3, "t.timeout_s", Stall(0, **STALL))
     assert type(e.value) is ActorTimeoutError, e.value
     assert "within 3 s (t.timeout_s)" in str(e.value)
+
+
+def test_shutdown_kills_hung_ranks_instead_of_waiting_on_each(local_ray, tmp_path):
+    import ray
+
+    from vime_core.trainer import TrainerGroup
+
+    group = TrainerGroup(actors(0.0, 600.0, 600.0), tiny_config(tmp_path))
+    busy = [a.train.remote(0, []) for a in group.actors]  # ranks 1 and 2 hang in train: their shutdown never runs
+    ray.get(busy[0])
+    group.shutdown()
+    for i, ref in enumerate(busy[1:], 1):
+        with pytest.raises(ray.exceptions.RayActorError):  # killed: the hung call ends with the actor
+            ray.get(ref, timeout=60)
