@@ -6,6 +6,7 @@ import atexit
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -150,17 +151,65 @@ def train(
     _setup_logging(verbose)
     cfg = _load(config, overrides)
     start_watchdog()  # a SIGKILLed `vime train` takes Ray's processes and the actors' helpers with it
-    # the lock before the sinks: a second `vime train` on a busy output_dir must fail before it opens an MLflow run
-    # or moves the running one's --metrics-out file aside (the loop takes the lock again: it is re-entrant)
-    with output_dir_lock(cfg.output_dir):
-        from vime_core.cluster import shutdown_ray
-        from vime_core.early_ray import start_ray_early
-
-        start_ray_early(cfg)  # Ray and the actors start while MLflow opens and `prepare` checks the data
+    with stop_on_signal() as stopped:
         try:
-            _train_locked(cfg, metrics_out)
-        finally:
-            shutdown_ray()  # a no-op after the loop's own; stops a Ray the loop never reached (a bad dataset)
+            # the lock before the sinks: a second `vime train` on a busy output_dir must fail before it opens an
+            # MLflow run or moves the running one's --metrics-out file aside (the loop takes the lock again)
+            with output_dir_lock(cfg.output_dir):
+                from vime_core.cluster import shutdown_ray
+                from vime_core.early_ray import start_ray_early
+
+                start_ray_early(cfg)  # Ray and the actors start while MLflow opens and `prepare` checks the data
+                try:
+                    _train_locked(cfg, metrics_out)
+                finally:
+                    shutdown_ray()  # a no-op after the loop's own; stops a Ray the loop never reached
+        except BaseException:
+            if not stopped:
+                raise
+            # whatever the signal interrupted (an actor killed by the same Ctrl-C may fail first), say what is kept
+            err.print(saved_line(cfg, stopped[0]), highlight=False, markup=False, soft_wrap=True)
+            sys.exit(128 + stopped[0])
+
+
+@contextmanager
+def stop_on_signal():
+    """SIGINT (Ctrl-C) and SIGTERM raise KeyboardInterrupt in the main thread, so that the loop's cleanup runs (the
+    MLflow run ends KILLED, the actors and Ray stop); yields the list that gets the signal's number. A second signal
+    during that cleanup ends the process at once (the orphan watchdog still stops Ray's processes)."""
+    stopped: list[int] = []
+
+    def handler(signum, frame):
+        if stopped:
+            os._exit(128 + signum)
+        stopped.append(signum)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stopped
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def saved_line(cfg, signum: int) -> str:
+    """What a stopped run leaves: its last complete checkpoint (by the cheap look: nothing is verified or set aside
+    here; the next run does that), or that there is none."""
+    from vime_core.checkpoint import Checkpointer
+
+    name = signal.Signals(signum).name
+    try:
+        latest = Checkpointer(cfg.save_dir).peek_latest()
+        done = Checkpointer.read_state(latest)["rollout_id"] + 1 if latest else 0
+    except Exception as e:  # noqa: BLE001 - a damaged checkpoint: the next run sets it aside and names it
+        return f"stopped by {name}: the checkpoints in {cfg.save_dir} could not be read ({type(e).__name__})"
+    if latest is None:
+        return f"stopped by {name}: no checkpoint saved yet in {cfg.save_dir}; a rerun starts from step 1"
+    return (
+        f"stopped by {name}: last checkpoint {latest} (after rollout step {done}/{cfg.rollout.num_rollout}); "
+        f"a rerun resumes from it"
+    )
 
 
 def _train_locked(cfg, metrics_out: Optional[Path]) -> None:
