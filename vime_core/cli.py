@@ -161,7 +161,7 @@ def train(
 
                 start_ray_early(cfg)  # Ray and the actors start while MLflow opens and `prepare` checks the data
                 try:
-                    _train_locked(cfg, metrics_out)
+                    train_locked(cfg, metrics_out)
                 finally:
                     shutdown_ray()  # a no-op after the loop's own; stops a Ray the loop never reached
         except BaseException:
@@ -212,7 +212,9 @@ def saved_line(cfg, signum: int) -> str:
     )
 
 
-def _train_locked(cfg, metrics_out: Optional[Path]) -> None:
+def train_locked(cfg, metrics_out: Optional[Path]) -> None:
+    """`vime train`'s run once output_dir is locked: the MLflow run and metric sinks, the loop with its progress
+    bar and step lines, the summary. A failure ends the MLflow run FAILED with the error in the tag vime.error."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -248,7 +250,7 @@ def _train_locked(cfg, metrics_out: Optional[Path]) -> None:
             result = run(cfg, sink, on_step=on_step, run_state=run_state)
         except BaseException as e:
             if mlflow_run:
-                mlflow_run.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+                mlflow_run.end_with_error(e)  # FAILED (KILLED), the error's line in the tag vime.error
             raise
         finally:
             sink.close()

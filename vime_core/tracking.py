@@ -103,6 +103,7 @@ ARTIFACT_INLINE_LIMIT = 256 * 2**20  # larger exports are logged as a reference 
 # MLflow 3's UI opens an experiment without this tag in its GenAI (traces) view; this value selects the model
 # training view (the UI's ExperimentKind enum: genai_development | custom_model_development | ...)
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+ERROR_TAG = "vime.error"  # on a failed run: the one line of the error that stopped it
 WEIGHTS_TAG = "vime.weights_sha256"  # on eval runs and model versions: the files that were scored / registered
 
 
@@ -301,6 +302,18 @@ class MlflowRun:
 
     def end(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
+
+    def end_with_error(self, e: BaseException) -> None:
+        """End the run FAILED (KILLED for Ctrl-C / SIGTERM) with the error's one line in the tag ERROR_TAG, so that a
+        run stopped by a bad input says why on its page. Best effort: MLflow may be what failed, and the caller
+        re-raises the original error."""
+        from vime_core.errors import one_line
+
+        try:
+            self.client.set_tag(self.run_id, ERROR_TAG, one_line(e)[:5000])
+            self.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        except Exception as again:  # noqa: BLE001 - logged; the original error is the one to report
+            log.warning("could not mark MLflow run %s failed: %s", self.run_id, again)
 
 
 class EvalChildRuns:
