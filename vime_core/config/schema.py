@@ -194,7 +194,8 @@ class RolloutConfig(Section):
             "step (produces no token) for this long is reported as hung, naming it, within this window plus 10 s, "
             "instead of after rollout.timeout_s. Progress, not call time: each engine step takes milliseconds to a "
             "few seconds (a large prefill), while a whole 8B rollout of 4,096-token responses takes 60-90 s on an "
-            "H200. 0 turns the check off.",
+            "H200. A custom generate hook's own work between two of its generate calls (a tool call) counts as no "
+            "progress: raise the window above its longest. 0 turns the check off.",
         ),
     ] = 180
 
