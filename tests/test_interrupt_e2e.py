@@ -37,12 +37,21 @@ def interrupt_after_a_checkpoint(tmp_path: Path, sig: int, whole_group: bool) ->
 @pytest.mark.parametrize("sig, whole_group", [(signal.SIGINT, True), (signal.SIGTERM, False)])
 def test_a_signal_says_what_was_saved_and_exits_128_plus_it(tmp_path, sig, whole_group):
     code, text = interrupt_after_a_checkpoint(tmp_path, sig, whole_group)
-    assert code == 128 + sig, text[-3000:]
+    assert code == 128 + sig, f"exit {code}:\n{text[-3000:]}"
     found = re.search(SAVED.format(sig=signal.Signals(sig).name), text, re.M)
     assert found, text[-3000:]
     state = json.loads((Path(found.group(1)) / "state.json").read_text())
     assert state["rollout_id"] + 1 == int(found.group(2))
     assert "Traceback" not in text and "Aborted" not in text
+    from vime_core.tracking import ERROR_TAG, mlflow_client, resolve_tracking_uri
+
+    cfg = tiny_config(tmp_path / "out")  # the run's MLflow store (tracking on, as users run it)
+    client = mlflow_client(resolve_tracking_uri(cfg))
+    (run,) = client.search_runs([client.get_experiment_by_name(cfg.name).experiment_id])
+    assert run.info.status == "KILLED" and run.data.tags[ERROR_TAG].startswith("KeyboardInterrupt: "), (
+        run.info.status,
+        run.data.tags.get(ERROR_TAG),
+    )
 
 
 def test_the_line_says_when_nothing_was_saved(tmp_path):
