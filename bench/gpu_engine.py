@@ -147,7 +147,7 @@ def qwen3_06b_random(out: Path) -> Path:
 def run_case(name: str, out: Path) -> dict:
     from vime_core.config import load_config
     from vime_core.loop import run
-    from vime_core.tracking import MemorySink
+    from vime_core.metrics import MemorySink
 
     overrides = BASE + CASES[name] + [f"output_dir={out / name}"]
     if name.startswith("perf-0.6b"):

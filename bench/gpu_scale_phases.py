@@ -62,7 +62,7 @@ def bench_config(args, model_dir: Path, run_dir: Path):
 
 def loop_phase(args, model_dir: Path, partial: Path) -> dict:
     from vime_core.loop import run
-    from vime_core.tracking import MemorySink
+    from vime_core.metrics import MemorySink
 
     run_dir = Path(args.cache) / "runs" / f"{args.shape}-{args.response_len}-{os.getpid()}"
     cfg, kept, dropped = bench_config(args, model_dir, run_dir)

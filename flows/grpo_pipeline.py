@@ -99,6 +99,36 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None, promote: bool = True) ->
         else run_label(cfg, flow_run_id, None)
     )
     run_id = start_tracking.with_options(**retry)(config, model, run_name, flow_run_id, datasets)
+    try:
+        return train_and_register(cfg, config, model, run_id, flow_run_id, promote)
+    except BaseException as e:
+        fail_tracking(config, run_id, e, finish)
+        raise
+
+
+def fail_tracking(config: dict[str, Any], run_id: str | None, e: BaseException, finish=finish_tracking) -> None:
+    """The pipeline's MLflow run ends FAILED with the error's one line in the tag ERROR_TAG (KILLED for Ctrl-C).
+    MLflow may be what failed: then the original error is the one reported, not this call's."""
+    from vime_core.errors import one_line
+    from vime_core.tracking import ERROR_TAG
+
+    status = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
+    try:
+        finish(config, run_id, {}, status=status, tags={ERROR_TAG: one_line(e)[:5000]})
+    except Exception as again:  # noqa: BLE001 - reported below, the original error propagates
+        print(f"could not mark MLflow run {run_id} {status}: {type(again).__name__}: {str(again)[:200]}")
+
+
+def train_and_register(
+    cfg: RunConfig,
+    config: dict[str, Any],
+    model: dict[str, Any],
+    run_id: str | None,
+    flow_run_id: str | None,
+    promote: bool = True,
+) -> dict[str, Any]:
+    retry = tracking_retries(cfg.tracking.outage_s)
+    finish = finish_tracking.with_options(**retry)
     if cfg.checkpoint.start_fresh:
         config = start_fresh(config)
     elif not cfg.checkpoint.resume:  # refused beside old checkpoints; else a retried train task must resume its own
@@ -108,34 +138,28 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None, promote: bool = True) ->
         config = {**config, "checkpoint": {**config["checkpoint"], "resume": True}}
     with engines_started_early(cfg_of(config), model):
         converted = convert_checkpoint(model, str(cfg.output_dir), cfg.model.dtype)
-        try:
-            train = train_grpo.with_options(timeout_seconds=train_timeout(cfg.rollout.num_rollout))
-            trained = train(config, model, converted, run_id, flow_run_id)
-            if not trained["last_checkpoint"]:
-                raise RuntimeError("training produced no checkpoint")
-            step = trained["last_rollout_id"] + 1
-            if trained["nothing_trained"] and already_registered(cfg, run_id, trained["last_checkpoint"]):
-                reason = f"{trained['nothing_trained']}; its policy is already registered"
-                url = finish(
-                    config, run_id, {}, step=step, tags={"vime.last_attempt": f"nothing trained: {reason}"[:5000]}
-                )
-                return {
-                    "config": cfg.name,
-                    "mlflow_run_id": run_id,
-                    "mlflow run page": url,
-                    "checkpoints": str(cfg.save_dir),
-                    "nothing_trained": reason,
-                }
-            exported = export_hf(config, trained["last_checkpoint"])
-            final, registry = {}, {"registered": False, "reason": "no eval dataset: nothing to compare a champion on"}
-            if cfg.eval.datasets:
-                final = evaluate(config, exported)
-                log_evaluation(config, final, exported, run_id, step=step)
-                register = register_model.with_options(**retry)
-                registry = register(config, exported, run_id, final, trained["last_checkpoint"], promote)
-        except BaseException:
-            finish(config, run_id, {}, status="FAILED")
-            raise
+        train = train_grpo.with_options(timeout_seconds=train_timeout(cfg.rollout.num_rollout))
+        trained = train(config, model, converted, run_id, flow_run_id)
+        if not trained["last_checkpoint"]:
+            raise RuntimeError("training produced no checkpoint")
+        step = trained["last_rollout_id"] + 1
+        if trained["nothing_trained"] and already_registered(cfg, run_id, trained["last_checkpoint"]):
+            reason = f"{trained['nothing_trained']}; its policy is already registered"
+            url = finish(config, run_id, {}, step=step, tags={"vime.last_attempt": f"nothing trained: {reason}"[:5000]})
+            return {
+                "config": cfg.name,
+                "mlflow_run_id": run_id,
+                "mlflow run page": url,
+                "checkpoints": str(cfg.save_dir),
+                "nothing_trained": reason,
+            }
+        exported = export_hf(config, trained["last_checkpoint"])
+        final, registry = {}, {"registered": False, "reason": "no eval dataset: nothing to compare a champion on"}
+        if cfg.eval.datasets:
+            final = evaluate(config, exported)
+            log_evaluation(config, final, exported, run_id, step=step)
+            register = register_model.with_options(**retry)
+            registry = register(config, exported, run_id, final, trained["last_checkpoint"], promote)
     summary = pipeline_summary(cfg, trained, final, registry, exported, run_id)
     url = finish(config, run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, step=step)
     return {**summary, **({"mlflow run page": url} if url else {})}

@@ -14,6 +14,7 @@ from vime_core.config import dump_config, flatten
 from vime_core.platform import detect_platform
 from vime_core.tracking import (
     MlflowRun,
+    check_reachable,
     environment_tags,
     find_run_by_tag,
     resolve_tracking_uri,
@@ -89,6 +90,9 @@ def start_tracking(
     if not cfg.tracking.enabled:
         return None
     uri, experiment = tracking_target(cfg)
+    # one clear, retried TrackingUnreachableError before the first lookup (a run to continue, by checkpoint or
+    # flow run tag), which would otherwise end the retries in MLflow's raw "API request ... failed"
+    check_reachable(uri)
     tags = environment_tags(detect_platform(cfg.cluster.platform))
     tags |= {
         "vime.config": cfg.name,

@@ -15,7 +15,8 @@ from tasks.tracking import tracking_target
 from vime_core.logs import StepProgress
 from vime_core.loop import move_outputs_aside, run
 from vime_core.outage import OutageTolerantSink, wait_reachable
-from vime_core.tracking import EvalChildRuns, JsonlSink, MlflowRun, MultiSink
+from vime_core.tracking import EvalChildRuns, MlflowRun
+from vime_core.metrics import JsonlSink, MultiSink
 
 
 def start_fresh(config: dict[str, Any]) -> dict[str, Any]:

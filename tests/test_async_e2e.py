@@ -16,7 +16,7 @@ import pytest
 from tests.helpers.tiny import tiny_config
 from tests.helpers.train_process import kill_group, ledger, resumed_at, wait_for
 from tests.helpers.train_process import start_train as start_vime_train
-from vime_core.tracking import MemorySink
+from vime_core.metrics import MemorySink
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers.tiny import tiny_config
 from vime_core.kv_cache import kv_cache_shortfall
-from vime_core.tracking import PERF_METRICS, ROLLOUT_METRICS, TRAIN_METRICS, MemorySink
+from vime_core.metrics import PERF_METRICS, ROLLOUT_METRICS, TRAIN_METRICS, MemorySink
 
 pytestmark = pytest.mark.e2e
 

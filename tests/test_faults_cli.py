@@ -106,3 +106,31 @@ def test_an_actor_error_is_printed_as_its_cause_in_one_line(capsys):
     assert user_error_exit(RuntimeError("a bug"), debug=False) is None, "not a project error: the traceback"
     assert is_disk_full(RayTaskErrorLike(OSError(28, "No space left on device")))
     assert not is_disk_full(RayTaskErrorLike(ValueError("shape mismatch")))
+
+
+def test_an_early_error_marks_its_mlflow_run_failed_with_the_error(tmp_path):
+    from vime_core.cli import train_locked
+    from vime_core.errors import VimeError
+    from vime_core.tracking import ERROR_TAG, mlflow_client, resolve_tracking_uri
+
+    missing = tmp_path / "none.jsonl"
+    cfg = tiny_config(tmp_path / "out", f"data.source={missing}", "eval.datasets=[]")
+    with pytest.raises(VimeError) as e:
+        train_locked(cfg, None)  # fails in prepare, after the run was opened and before any actor
+    client = mlflow_client(resolve_tracking_uri(cfg))
+    (run,) = client.search_runs([client.get_experiment_by_name(cfg.name).experiment_id])
+    assert run.info.status == "FAILED"
+    assert run.data.tags[ERROR_TAG] == f"{type(e.value).__name__}: {e.value}" and str(missing) in str(e.value)
+
+
+def test_the_pipeline_reports_an_unreachable_store_before_looking_up_a_run_to_continue(tmp_path):
+    from tasks.tracking import start_tracking
+    from vime_core.ports import free_port
+    from vime_core.tracking import TrackingUnreachableError
+
+    port = free_port()  # nothing listens there
+    cfg = tiny_config(tmp_path, f"tracking.uri=http://127.0.0.1:{port}")
+    model = {"source": "builtin://x", "content_hash": "h"}
+    # a flow run id: the run to continue is looked up by its tag (MLflow's raw MlflowException before)
+    with pytest.raises(TrackingUnreachableError, match=rf"^MLflow tracking store http://127\.0\.0\.1:{port} cannot"):
+        start_tracking.fn(cfg.model_dump(mode="json"), model, "run", "flow-run-1")

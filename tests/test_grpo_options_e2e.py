@@ -9,7 +9,7 @@ import math
 import pytest
 
 from tests.helpers.tiny import tiny_config
-from vime_core.tracking import MemorySink
+from vime_core.metrics import MemorySink
 
 pytestmark = pytest.mark.e2e
 
@@ -102,7 +102,7 @@ def test_a_custom_generate_mask_of_the_wrong_length_stops_before_training(tmp_pa
     unchecked, it raised a bare RuntimeError in the trainer (or, with lengths that cancel out, trained shifted)."""
     from vime_core.cli import user_error_exit
     from vime_core.loop import run
-    from vime_core.rollout import CustomGenerateError
+    from vime_core.generate_hook import CustomGenerateError
 
     hook = "tests.helpers.custom_generate:off_by_one_mask"
     cfg = tiny_config(tmp_path, *SHORT, "rollout.num_rollout=1", f"rollout.custom_generate={hook}")

@@ -24,7 +24,7 @@ def test_nothing_to_train_when_the_checkpoint_covers_num_rollout(tmp_path, caplo
     import ray
 
     from vime_core.loop import run
-    from vime_core.tracking import MemorySink
+    from vime_core.metrics import MemorySink
 
     cfg = tiny_config(tmp_path, "rollout.num_rollout=5")
     fake_checkpoint(cfg, 4)

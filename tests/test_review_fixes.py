@@ -364,7 +364,7 @@ def test_eval_generate_calls_are_bounded_by_eval_timeout_s(tmp_path, monkeypatch
     assert tiny_config(tmp_path).eval.timeout_s == 7200
     seen = []
     monkeypatch.setattr(
-        rollout, "gather", lambda refs, who, doing, timeout_s, setting: seen.append((timeout_s, setting)) or []
+        rollout, "gather", lambda refs, who, doing, timeout_s, setting, stall: seen.append((timeout_s, setting)) or []
     )
     engine = SimpleNamespace(generate=SimpleNamespace(remote=lambda reqs, spec: None))
     router = RolloutRouter([engine], cfg.rollout.timeout_s)

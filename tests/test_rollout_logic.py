@@ -13,8 +13,8 @@ from tests.helpers.tiny import tiny_config
 from vime_core.data import DataBuffer, Prompt, PromptSet
 from vime_core.kv_cache import kv_cache_shortfall
 from vime_core.cli import user_error_exit
+from vime_core.generate_hook import CustomGenerateError
 from vime_core.rollout import (
-    CustomGenerateError,
     GenerateContext,
     Generation,
     SamplingSpec,

@@ -89,7 +89,8 @@ def test_metrics_logged_during_an_outage_reach_the_run_when_the_server_is_back(t
     from mlflow.tracking import MlflowClient
 
     from vime_core.outage import OutageTolerantSink
-    from vime_core.tracking import EvalChildRuns, MlflowRun, MultiSink
+    from vime_core.tracking import EvalChildRuns, MlflowRun
+    from vime_core.metrics import MultiSink
 
     root, port = tmp_path / "server", free_port()
     root.mkdir()

@@ -30,7 +30,7 @@ import json, sys
 import ray
 from tests.helpers.tiny import tiny_config
 from vime_core.loop import run
-from vime_core.tracking import MemorySink
+from vime_core.metrics import MemorySink
 
 cfg = tiny_config(sys.argv[1], "rollout.num_rollout=%d", "eval.datasets=[]", "tracking.enabled=false",
                   "rollout.max_staleness=1", "cluster.trainer_resource=vime_trainer",

@@ -6,6 +6,7 @@ import atexit
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -152,20 +153,70 @@ def train(
     cfg = _load(config, overrides)
     check_before_start(cfg, metrics_out)
     start_watchdog()  # a SIGKILLed `vime train` takes Ray's processes and the actors' helpers with it
-    # the lock before the sinks: a second `vime train` on a busy output_dir must fail before it opens an MLflow run
-    # or moves the running one's --metrics-out file aside (the loop takes the lock again: it is re-entrant)
-    with output_dir_lock(cfg.output_dir):
-        from vime_core.cluster import shutdown_ray
-        from vime_core.early_ray import start_ray_early
-
-        start_ray_early(cfg)  # Ray and the actors start while MLflow opens and `prepare` checks the data
+    with stop_on_signal() as stopped:
         try:
-            _train_locked(cfg, metrics_out)
-        finally:
-            shutdown_ray()  # a no-op after the loop's own; stops a Ray the loop never reached (a bad dataset)
+            # the lock before the sinks: a second `vime train` on a busy output_dir must fail before it opens an
+            # MLflow run or moves the running one's --metrics-out file aside (the loop takes the lock again)
+            with output_dir_lock(cfg.output_dir):
+                from vime_core.cluster import shutdown_ray
+                from vime_core.early_ray import start_ray_early
+
+                start_ray_early(cfg)  # Ray and the actors start while MLflow opens and `prepare` checks the data
+                try:
+                    train_locked(cfg, metrics_out)
+                finally:
+                    shutdown_ray()  # a no-op after the loop's own; stops a Ray the loop never reached
+        except BaseException:
+            if not stopped:
+                raise
+            # whatever the signal interrupted (an actor killed by the same Ctrl-C may fail first), say what is kept
+            err.print(saved_line(cfg, stopped[0]), highlight=False, markup=False, soft_wrap=True)
+            sys.exit(128 + stopped[0])
 
 
-def _train_locked(cfg, metrics_out: Optional[Path]) -> None:
+@contextmanager
+def stop_on_signal():
+    """SIGINT (Ctrl-C) and SIGTERM raise KeyboardInterrupt in the main thread, so that the loop's cleanup runs (the
+    MLflow run ends KILLED, the actors and Ray stop); yields the list that gets the signal's number. A second signal
+    during that cleanup ends the process at once (the orphan watchdog still stops Ray's processes)."""
+    stopped: list[int] = []
+
+    def handler(signum, frame):
+        if stopped:
+            os._exit(128 + signum)
+        stopped.append(signum)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stopped
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def saved_line(cfg, signum: int) -> str:
+    """What a stopped run leaves: its last complete checkpoint (by the cheap look: nothing is verified or set aside
+    here; the next run does that), or that there is none."""
+    from vime_core.checkpoint import Checkpointer
+
+    name = signal.Signals(signum).name
+    try:
+        latest = Checkpointer(cfg.save_dir).peek_latest()
+        done = Checkpointer.read_state(latest)["rollout_id"] + 1 if latest else 0
+    except Exception as e:  # noqa: BLE001 - a damaged checkpoint: the next run sets it aside and names it
+        return f"stopped by {name}: the checkpoints in {cfg.save_dir} could not be read ({type(e).__name__})"
+    if latest is None:
+        return f"stopped by {name}: no checkpoint saved yet in {cfg.save_dir}; a rerun starts from step 1"
+    return (
+        f"stopped by {name}: last checkpoint {latest} (after rollout step {done}/{cfg.rollout.num_rollout}); "
+        f"a rerun resumes from it"
+    )
+
+
+def train_locked(cfg, metrics_out: Optional[Path]) -> None:
+    """`vime train`'s run once output_dir is locked: the MLflow run and metric sinks, the loop with its progress
+    bar and step lines, the summary. A failure ends the MLflow run FAILED with the error in the tag vime.error."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -176,7 +227,7 @@ def _train_locked(cfg, metrics_out: Optional[Path]) -> None:
     )
 
     from vime_core.loop import run
-    from vime_core.tracking import MemorySink, MultiSink
+    from vime_core.metrics import MemorySink, MultiSink
 
     mlflow_run, run_state = tracking_sink(cfg)
     sink = MultiSink(MemorySink(), metrics_file_sink(cfg, metrics_out) if metrics_out else None, mlflow_run)
@@ -201,7 +252,7 @@ def _train_locked(cfg, metrics_out: Optional[Path]) -> None:
             result = run(cfg, sink, on_step=on_step, run_state=run_state)
         except BaseException as e:
             if mlflow_run:
-                mlflow_run.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+                mlflow_run.end_with_error(e)  # FAILED (KILLED), the error's line in the tag vime.error
             raise
         finally:
             sink.close()
@@ -240,7 +291,7 @@ def resume_state(cfg) -> dict | None:
 
 def metrics_file_sink(cfg, path: Path):
     """--metrics-out: a resumed run appends to the file; a fresh start keeps an older non-empty file, renamed."""
-    from vime_core.tracking import JsonlSink
+    from vime_core.metrics import JsonlSink
 
     if resume_state(cfg) is None and path.is_file() and path.stat().st_size:
         aside = path.with_name(path.name + time.strftime(".old-%Y%m%d-%H%M%S"))

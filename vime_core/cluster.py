@@ -402,6 +402,7 @@ def engine_specs(cfg: RunConfig, p: Placement, platform: str, model_path: str) -
             enforce_eager=cfg.rollout.enforce_eager,
             custom_generate=cfg.rollout.custom_generate,
             sleep_mode=p.engines_sleep,
+            name=f"vLLM engine {i}",
             extra=dict(cfg.rollout.vllm_kwargs),
         )
         specs.append((opts, _actor_env(platform, p.devices(bundles), cfg, "rollout"), bundles))

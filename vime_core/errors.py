@@ -20,6 +20,11 @@ class ActorTimeoutError(VimeError, TimeoutError):
     """A Ray actor did not answer within its timeout; the message names the actor, the call and the setting."""
 
 
+class ActorStallError(ActorTimeoutError):
+    """A Ray actor made no progress (vime_core.progress) for its window; the message names the actor, the call, what
+    stopped, for how long, and the setting."""
+
+
 class ClusterError(VimeError, RuntimeError):
     """Ray could not give us what the config asks for (or an actor could not start on a user error); the message says
     what was missing."""

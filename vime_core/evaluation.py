@@ -64,6 +64,8 @@ def evaluate_model(cfg, model_dir) -> dict[str, float]:
     try:
         engines = create_engines(cfg, make_placement(cfg, p.platform, engines_only=True), p.platform, str(p.model_dir))
         wait_ready([], engines, cfg.rollout.timeout_s)
-        return evaluate(RolloutRouter(engines, cfg.rollout.timeout_s), p.eval_sets, cfg, p.reward_model)
+        return evaluate(
+            RolloutRouter(engines, cfg.rollout.timeout_s, cfg.rollout.stall_timeout_s), p.eval_sets, cfg, p.reward_model
+        )
     finally:
         shutdown_ray()

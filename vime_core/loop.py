@@ -37,7 +37,7 @@ from vime_core.schedule import (
     wait_time_ratio,
     write_inflight,
 )
-from vime_core.tracking import MetricsSink
+from vime_core.metrics import MetricsSink
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,8 @@ def start_actors(a: Actors, cfg: RunConfig, p: Prepared, init_checkpoint: Path |
     model = str(p.model_dir)
     init = str(init_checkpoint) if init_checkpoint else None
     a.trainer = TrainerGroup(create_trainers(cfg, placement, p.platform, model, init), cfg)
-    a.router = RolloutRouter(create_engines(cfg, placement, p.platform, model), cfg.rollout.timeout_s)
+    engines = create_engines(cfg, placement, p.platform, model)
+    a.router = RolloutRouter(engines, cfg.rollout.timeout_s, cfg.rollout.stall_timeout_s)
     a.sync = WeightSync(
         a.trainer,
         a.router,

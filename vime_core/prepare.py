@@ -20,7 +20,8 @@ from vime_core.model_files import check_light
 from vime_core.models import arch_from_hf_config, check_model_compat
 from vime_core.rewards import RewardModel, load_reward, usable_labels
 from vime_core.sources import SourceError, dataset_path, resolve_model
-from vime_core.tracking import check_metrics_path, check_tracking_socket, resolve_tracking_uri
+from vime_core.tracking import check_tracking_socket, resolve_tracking_uri
+from vime_core.metrics import check_metrics_path
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def check_before_start(cfg: RunConfig, metrics_out: Path | None = None) -> None:
     of them failed only after the actors started (12-40 s in); `preflight` checks them again (and more) for the
     pipeline and the evaluation."""
     from vime_core.integrity import check_writable
-    from vime_core.rollout import load_custom_generate
+    from vime_core.generate_hook import load_custom_generate
 
     check_writable(cfg.output_dir)
     if metrics_out is not None:
@@ -146,7 +147,7 @@ def preflight(cfg: RunConfig, platform: str, model_dir: Path, eval_only: bool) -
     from vime_core.checkpoint import check_model_files, read_hf_config  # torch
     from vime_core.cluster import check_local_fit
     from vime_core.integrity import check_writable
-    from vime_core.rollout import load_custom_generate
+    from vime_core.generate_hook import load_custom_generate
 
     check_model_files(model_dir)
     check_context_length(cfg, read_hf_config(model_dir), model_dir)

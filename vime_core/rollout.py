@@ -1,5 +1,5 @@
-"""Rollout: vLLM engines (one Ray actor each), the router that spreads prompt groups over them, and the custom
-generate hook.
+"""Rollout: vLLM engines (one Ray actor each), the router that spreads prompt groups over them, and the context a
+custom generate hook samples through (the hook's loading and checks: vime_core.generate_hook).
 
 An engine returns, per sample: response token ids, the log-probs of the sampled tokens *after* temperature
 (`logprobs_mode="processed_logprobs"`; vLLM's default raw log-probs are taken before temperature, which inflated the
@@ -18,7 +18,6 @@ import asyncio
 import dataclasses
 import difflib
 import hashlib
-import inspect
 import logging
 import os
 import statistics
@@ -28,8 +27,10 @@ from typing import Any
 
 from vime_core.aio import run_sync
 from vime_core.errors import VimeError
+from vime_core.generate_hook import check_hook_samples, load_custom_generate
 from vime_core.kv_cache import kv_cache_tokens, max_num_seqs
-from vime_core.rpc import call_all, gather
+from vime_core.progress import Heartbeat
+from vime_core.rpc import Stall, call_all, gather
 from vime_core.sample import Sample
 
 log = logging.getLogger(__name__)
@@ -91,68 +92,8 @@ class EngineOptions:
     enforce_eager: bool = False
     custom_generate: str | None = None
     sleep_mode: bool = False  # colocated GPU engines release their memory while the trainer works
+    name: str = "vLLM engine 0"  # what the router calls it: its progress beats (vime_core.progress) carry it
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-class CustomGenerateError(VimeError, ValueError):
-    """rollout.custom_generate cannot be used; the message says why."""
-
-
-def load_custom_generate(spec: str):
-    """The `async def` function named by rollout.custom_generate; raises CustomGenerateError naming the problem
-    (checked in `prepare`, in seconds, and again in each engine)."""
-    from vime_core.rewards import load_callable
-
-    try:
-        fn = load_callable(spec)
-    except Exception as e:  # ImportError (load_callable says ValueError), SyntaxError, a failing module body
-        detail = str(e) if type(e) is ValueError else f"{type(e).__name__}: {e}"
-        raise CustomGenerateError(
-            f"rollout.custom_generate = {spec!r} cannot be loaded: {detail}; fix the module, or set "
-            "rollout.custom_generate to an `async def` `package.module:function` importable from the working "
-            "directory or PYTHONPATH (or remove it)"
-        ) from e
-    target = getattr(fn, "__call__", fn) if not inspect.isfunction(fn) else fn
-    if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(target)):
-        raise CustomGenerateError(
-            f"rollout.custom_generate = {spec!r} must be `async def` (it is a plain function): "
-            "`async def fn(ctx, sample, sampling) -> Sample`, awaiting ctx.generate(...)"
-        )
-    return fn
-
-
-def check_hook_samples(hook: str, samples: list, group_size: int) -> None:
-    """Every sample the custom generate `hook` returned is a Sample whose loss_mask (None: all trained) holds one 0/1
-    and whose rollout_logprobs (empty: none given) one log-prob per response token; else CustomGenerateError naming
-    the sample and the hook. Unchecked, masks of 3 and 5 values on two 4-token responses were shifted across the
-    samples of a packed micro-batch (grad norm 0.701 instead of 1.163), and an off-by-one raised a bare
-    RuntimeError ("The size of tensor a (7) must match ...") in the trainer, naming no sample (issue 28, N3)."""
-    for k, s in enumerate(samples):
-        index = s.metadata.get("index") if isinstance(s, Sample) else None
-        where = (
-            f"rollout.custom_generate = {hook!r} returned for sample {k} (prompt {k // group_size}, sample "
-            f"{k % group_size} of its group{'' if index is None else f'; dataset index {index}'})"
-        )
-        if not isinstance(s, Sample):
-            raise CustomGenerateError(
-                f"{where} a {type(s).__name__}, not a Sample: return dataclasses.replace(sample, response_ids=...)"
-            )
-        n = len(s.response_ids)
-        if s.loss_mask is not None and (len(s.loss_mask) != n or set(s.loss_mask) - {0, 1}):
-            what = (
-                f"{len(s.loss_mask)} values"
-                if len(s.loss_mask) != n
-                else f"the value(s) {sorted(set(s.loss_mask) - {0, 1})}"
-            )
-            raise CustomGenerateError(
-                f"{where} a loss_mask of {what} for its {n} response tokens: give one 0 or 1 per response token "
-                "(None trains every token)"
-            )
-        if s.rollout_logprobs and len(s.rollout_logprobs) != n:
-            raise CustomGenerateError(
-                f"{where} {len(s.rollout_logprobs)} rollout_logprobs for its {n} response tokens: give one per "
-                "response token (0.0 for a token the policy did not sample), or none"
-            )
 
 
 class VllmKwargsError(VimeError, ValueError):
@@ -227,10 +168,24 @@ class VLLMEngine:
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0
+        self._beat_per_step(Heartbeat(opts.name))
         self.custom_generate = None
         if opts.custom_generate:
             self.custom_generate = load_custom_generate(opts.custom_generate)
         log.info("vLLM engine up in %.1fs (%s, %s)", self.start_seconds, opts.model_path, opts.dtype)
+
+    def _beat_per_step(self, heartbeat: Heartbeat) -> None:
+        """A beat after every engine step (the loop of `LLM.generate` calls `llm_engine.step()` until every request
+        finished): a hung engine stops beating at once, however long its generate call may take in total."""
+        engine = self.llm.llm_engine
+        step = engine.step
+
+        def beating_step(*args, **kwargs):
+            out = step(*args, **kwargs)
+            heartbeat.beat("an engine step")
+            return out
+
+        engine.step = beating_step
 
     def ready(self) -> float:
         return self.start_seconds
@@ -375,11 +330,17 @@ def assign_groups(costs: list[int], num_engines: int) -> list[list[int]]:
 class RolloutRouter:
     """Spreads groups over engine actors and gathers the samples back in request order."""
 
-    def __init__(self, engines: list[Any], timeout_s: float | None = None):
+    def __init__(self, engines: list[Any], timeout_s: float | None = None, stall_s: float | None = None):
         if not engines:
             raise ValueError("the router needs at least one engine")
         self.engines = engines
         self.timeout_s = timeout_s  # rollout.timeout_s: a call that takes longer raises naming the engine
+        # rollout.stall_timeout_s: an engine that completes no engine step for this long raises much sooner
+        self.stall = (
+            Stall(stall_s, "rollout.stall_timeout_s", "no engine step finished (no token produced)")
+            if stall_s
+            else None
+        )
 
     def generate(
         self,
@@ -398,6 +359,7 @@ class RolloutRouter:
             f"generate ({sum(len(ix) for _, ix in busy)} prompt groups)",
             timeout_s or self.timeout_s,
             setting,
+            self.stall,
         )
         out: list[list[Sample] | None] = [None] * len(requests)
         for (_, ix), groups in zip(busy, results):

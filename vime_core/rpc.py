@@ -4,25 +4,88 @@ them (router, trainer group, weight sync), so none of those imports the cluster 
 
 from __future__ import annotations
 
+import math
+import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from vime_core.errors import ActorTimeoutError, ClusterError, VimeError
+from vime_core.errors import ActorStallError, ActorTimeoutError, ClusterError, VimeError
+
+BOARD_TIMEOUT_S = 10.0  # a board that does not answer a poll in this long is skipped: the call's timeout still holds
 
 
-def gather(refs: list, who: list[str], doing: str, timeout_s: float | None, setting: str) -> list:
+@dataclass(frozen=True)
+class Stall:
+    """A progress window for `gather` (vime_core.progress): an actor that beats for none of `window_s` seconds of
+    its call is hung. `what` names the progress that stopped ("no engine step"); window 0 turns the check off."""
+
+    window_s: float
+    setting: str
+    what: str
+
+    @property
+    def poll_s(self) -> float:
+        # a stall is reported at most this much after the window ends: 10 s at the 180 s defaults
+        return min(10.0, max(0.2, self.window_s / 6))
+
+
+def gather(
+    refs: list, who: list[str], doing: str, timeout_s: float | None, setting: str, stall: Stall | None = None
+) -> list:
     """`ray.get(refs)`, but a call that does not finish within `timeout_s` raises ActorTimeoutError naming the
-    actor(s) still busy (`who[i]` for `refs[i]`), what they were doing and the setting that bounds it."""
+    actor(s) still busy (`who[i]` for `refs[i]`), what they were doing and the setting that bounds it; with `stall`,
+    one whose actor stops beating (vime_core.progress) for `stall.window_s` raises ActorStallError much sooner."""
     import ray
 
-    if timeout_s is not None and refs:
-        _, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-        if late:
-            names = [w for r, w in zip(refs, who) if r in set(late)]
+    watch = stall is not None and stall.window_s > 0
+    if refs and (timeout_s is not None or watch):
+        _wait(dict(zip(refs, who)), doing, timeout_s, setting, stall if watch else None)
+    return ray.get(list(refs))
+
+
+def _wait(who_of: dict, doing: str, timeout_s: float | None, setting: str, stall: Stall | None) -> None:
+    import ray
+
+    from vime_core.progress import board
+
+    start = time.monotonic()
+    deadline = start + timeout_s if timeout_s is not None else math.inf
+    progress = board() if stall else None
+    pending = list(who_of)
+    while pending:
+        step = deadline - time.monotonic()
+        _, pending = ray.wait(
+            pending, num_returns=len(pending), timeout=max(0.0, min(step, stall.poll_s) if stall else step)
+        )
+        if not pending:
+            return
+        names = [who_of[r] for r in pending]
+        if time.monotonic() >= deadline:
             raise ActorTimeoutError(
                 f"{', '.join(names)} did not finish {doing} within {timeout_s:g} s ({setting}): the actor is hung or "
                 f"far slower than expected; check its log above, or raise {setting}"
             )
-    return ray.get(list(refs))
+        if stall:
+            check_progress(progress, names, doing, stall, time.monotonic() - start)
+
+
+def check_progress(progress: Any, names: list[str], doing: str, stall: Stall, elapsed: float) -> None:
+    """Raise ActorStallError for the actors of `names` whose last beat (or the call's start, `elapsed` s ago, if
+    later) is older than the window."""
+    import ray
+
+    try:
+        ages = ray.get(progress.ages.remote(names), timeout=BOARD_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - the board is slow or gone: skip this poll, never fail the run for it
+        return
+    idle = {n: elapsed if ages.get(n) is None else min(elapsed, ages[n][0]) for n in names}
+    stalled = [n for n in names if idle[n] > stall.window_s]
+    if stalled:
+        raise ActorStallError(
+            f"{', '.join(stalled)} stalled in {doing}: {stall.what} for {max(idle[n] for n in stalled):.0f} s "
+            f"(the window is {stall.setting} = {stall.window_s:g} s); the actor is hung: see its log above, or raise "
+            f"{stall.setting} (0 turns the check off)"
+        )
 
 
 def call_all(

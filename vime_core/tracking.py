@@ -1,7 +1,5 @@
-"""Metrics sinks: one interface, and the one place that knows MLflow.
-
-Metric names are vime's (DESIGN.md section 5); step = rollout_id. Eval metrics are logged at the step that equals
-the number of rollout steps the evaluated policy was trained on (0 = before training).
+"""The one place that knows MLflow: runs (`MlflowRun`, a metrics sink of vime_core.metrics), eval child runs, the
+registry and its promotion rule, and the tracking URI's checks. Metric names and the other sinks: vime_core.metrics.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import urlsplit
 
 from vime_core.errors import TransientError, VimeError
@@ -24,97 +22,6 @@ from vime_core.platform import apply_offline_env, device_facts
 from vime_core.redact import has_credentials, redact
 
 log = logging.getLogger(__name__)
-
-# the names the loop logs every step (see loop.py); tests and the notebook rely on them
-ROLLOUT_METRICS = ("rollout/raw_reward", "rollout/rewards", "rollout/response_len/mean", "rollout/truncated_ratio")
-TRAIN_METRICS = (
-    "train/loss",
-    "train/pg_loss",
-    "train/pg_clipfrac",
-    "train/ppo_kl",
-    "train/entropy_loss",
-    "train/grad_norm",
-    "train/train_rollout_logprob_abs_diff",
-)
-PERF_METRICS = (
-    "perf/tokens_per_gpu_per_sec",
-    "perf/rollout_time",
-    "perf/train_time",
-    "perf/update_weights_time",
-    "perf/step_time",
-    "perf/actor_train_tok_per_s",
-)
-
-
-class MetricsSink(Protocol):
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class MetricsPathError(VimeError, ValueError):
-    """`--metrics-out` names something that cannot be a metrics file; the message names it."""
-
-
-def check_metrics_path(path: Path) -> None:
-    """`--metrics-out` can be a file: not a directory, its parent not a file (found before the run starts; the sink
-    opens the file at the first step, 20+ s in)."""
-    path = Path(path)
-    if path.is_dir():
-        raise MetricsPathError(f"--metrics-out {path} is a directory; give a file path, e.g. {path / 'metrics.jsonl'}")
-    parent = next((p for p in path.parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise MetricsPathError(f"--metrics-out {path}: {parent} is a file, not a directory; choose another path")
-    if parent is not None and not os.access(parent, os.W_OK):
-        raise MetricsPathError(f"--metrics-out {path}: {parent} is not writable; choose another path")
-
-
-class JsonlSink:
-    """One JSON object per call: {"step": rollout_id, "<metric>": value, ...} (`vime train --metrics-out`)."""
-
-    def __init__(self, path: str | Path, append: bool = False):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a" if append else "w")
-
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        row = {"step": step, **{k: _finite(v) for k, v in metrics.items()}}
-        self._fh.write(json.dumps(row) + "\n")
-        self._fh.flush()
-
-    def close(self) -> None:
-        self._fh.close()
-
-
-class MemorySink:
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
-
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self.rows.append({"step": step, **metrics})
-
-    def close(self) -> None:
-        pass
-
-
-class MultiSink:
-    def __init__(self, *sinks: MetricsSink):
-        self.sinks = [s for s in sinks if s is not None]
-
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        for s in self.sinks:
-            s.log_metrics(step, metrics)
-
-    def close(self) -> None:
-        for s in self.sinks:
-            s.close()
-
-
-def _finite(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
-
 
 # ====================================================================================================================
 # MLflow: the one place that knows it
@@ -128,6 +35,7 @@ EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 # experiment's kind tag says (issue 26), so every URL we print or record carries it
 UI_VIEW = "workflowType=machine_learning"
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store (the command vime-pipeline prints)
+ERROR_TAG = "vime.error"  # on a failed run: the one line of the error that stopped it
 WEIGHTS_TAG = "vime.weights_sha256"  # on eval runs and model versions: the files that were scored / registered
 CHALLENGER = "challenger"  # the alias of the newest registered version that did not become champion
 
@@ -358,6 +266,21 @@ class MlflowRun:
 
     def end(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
+
+    def end_with_error(self, e: BaseException) -> None:
+        """End the run FAILED (KILLED for Ctrl-C / SIGTERM) with the error's one line in the tag ERROR_TAG, so that a
+        run stopped by a bad input says why on its page. Best effort: MLflow may be what failed, and the caller
+        re-raises the original error."""
+        from vime_core.errors import one_line
+
+        stopped = isinstance(e, KeyboardInterrupt)
+        # Ray re-raises a Ctrl-C / SIGTERM inside ray.wait as a bare KeyboardInterrupt: say what it was
+        text = "KeyboardInterrupt: stopped by Ctrl-C or SIGTERM" if stopped and not str(e) else one_line(e)
+        try:
+            self.client.set_tag(self.run_id, ERROR_TAG, text[:5000])
+            self.end("KILLED" if stopped else "FAILED")
+        except Exception as again:  # noqa: BLE001 - logged; the original error is the one to report
+            log.warning("could not mark MLflow run %s failed: %s", self.run_id, again)
 
 
 class EvalChildRuns:

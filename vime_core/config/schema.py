@@ -198,6 +198,19 @@ class RolloutConfig(Section):
             "a hung engine then fails the run naming itself instead of stalling it forever.",
         ),
     ] = 1800
+    stall_timeout_s: Annotated[
+        int,
+        FREE,
+        Field(
+            ge=0,
+            description="Progress window of a generate call (rollout and eval): an engine that completes no engine "
+            "step (produces no token) for this long is reported as hung, naming it, within this window plus 10 s, "
+            "instead of after rollout.timeout_s. Progress, not call time: each engine step takes milliseconds to a "
+            "few seconds (a large prefill), while a whole 8B rollout of 4,096-token responses takes 60-90 s on an "
+            "H200. A custom generate hook's own work between two of its generate calls (a tool call) counts as no "
+            "progress: raise the window above its longest. 0 turns the check off.",
+        ),
+    ] = 180
 
 
 class SyncConfig(Section):

@@ -38,6 +38,18 @@ class TrainConfig(Section):
             "load, the trainer start); a hung rank then fails the run naming itself.",
         ),
     ] = 3600
+    stall_timeout_s: Annotated[
+        int,
+        FREE,
+        Field(
+            ge=0,
+            description="Progress window of a rollout's training: a rank that finishes no micro-batch (forward "
+            "or backward) and no optimizer step for this long is reported as hung, naming it, within this window "
+            "plus 10 s, instead of after train.timeout_s. Progress, not call time: a whole 8B training step on "
+            "4,096-token samples takes 60-120 s on an H200, each of its micro-batches seconds. 0 turns the check "
+            "off.",
+        ),
+    ] = 180
     max_tokens_per_device: Annotated[
         int,
         FREE,

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from vime_core.config import RunConfig
+from vime_core.progress import Heartbeat
 from vime_core.schedule import cpu_threads, ray_node_id
 from vime_core.sync.base import WeightSource
 from vime_core.trainer.checkpoint_io import RankCheckpoint
@@ -51,6 +52,7 @@ class Trainer:
         apply_offline_env()
         apply_megatron_compat()  # imports megatron: with defer_start, this overlaps the engines' start
         self.cfg, self.rank, self.world_size, self.platform = cfg, rank, world_size, platform
+        self.heartbeat = Heartbeat(f"trainer rank {rank}")  # the name TrainerGroup's calls give this rank
         self._pending: tuple | None = (model_dir, master_addr, master_port, init_checkpoint)
         self.state: RankState | None = None  # the built rank (`start`), which every collaborator below reads
         self.steps: StepRunner | None = None
@@ -172,6 +174,7 @@ class Trainer:
             ref_model,
             optim,
             PhasePeaks(device),
+            self.heartbeat,
         )
         self.steps, self.checkpoint = StepRunner(self.state), RankCheckpoint(self.state)
         self._init_memory()

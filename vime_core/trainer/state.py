@@ -28,6 +28,7 @@ class RankState:
     ref_model: torch.nn.Module | None  # the frozen reference of the KL loss (grpo.kl_loss_coef > 0), else None
     optim: OptimizerAdapter  # torch AdamW or megatron's optimizer
     peaks: PhasePeaks  # peak GPU memory per phase
+    heartbeat: Any  # vime_core.progress.Heartbeat: the step beats per micro-batch for the driver's stall check
     step: int = 0  # optimizer steps taken; the LR schedule is a function of it
     onload_time: float = 0.0  # seconds of the last optimizer onload, reported with the next step's metrics
 

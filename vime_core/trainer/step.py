@@ -93,6 +93,7 @@ class StepRunner:
                 logp, _, sid = self.forward(model, [samples[i] for i in mb], with_entropy=False)
                 for j, i in enumerate(mb):
                     out[i] = logp[sid == j].cpu()
+                self.st.heartbeat.beat("a no-grad forward")
         return out  # type: ignore[return-value]
 
     def _logprobs_of_live(self, model, samples: list[TrainSample]) -> list[torch.Tensor]:
@@ -168,6 +169,7 @@ class StepRunner:
             loss, part, diff = self._micro_batch([samples[i] for i in idx], idx, old, ref, denom)
             diff_parts.append(diff)
             (loss * scale).backward()
+            self.st.heartbeat.beat("a micro-batch")  # the driver's stall check (train.stall_timeout_s) reads these
             loss_share = loss_share + loss.detach()
             for k in METRIC_KEYS:
                 sums[k] = sums[k] + part[k]
@@ -179,6 +181,7 @@ class StepRunner:
         t_opt = time.perf_counter()  # host_floats synchronized above: this times the optimizer's own work
         grad_norm = self.st.optim.apply(lr, loss, f"optimizer step {self.st.step}")
         opt_time = time.perf_counter() - t_opt
+        self.st.heartbeat.beat("an optimizer step")
         self.st.step += 1
         out = step_train_metrics(dict(zip(METRIC_KEYS, totals)), int(all_trained), loss, g)
         out["perf/optimizer_step_time"] = opt_time

@@ -1,0 +1,58 @@
+"""`vime-pipeline` and MLflow when something fails early (Prefect ephemeral mode, the tiny config; no engine starts):
+with its server down the run ends in one clear line (exit 2) after the tracking task's retries, not in MLflow's raw
+MlflowException; an input error after the MLflow run was opened leaves that run FAILED with the error's line in the
+tag vime.error, not RUNNING forever."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.tiny import REPO
+from vime_core.ports import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def pipeline(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "vime-pipeline"), "-c", "configs/tiny-cpu.yaml"]
+        + [arg for s in [f"output_dir={tmp_path / 'out'}", "eval.datasets=[]", *sets] for arg in ("--set", s)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+        env={**os.environ, "VIME_DEBUG": "", "PREFECT_HOME": str(tmp_path / "prefect")},
+    )
+
+
+def test_the_pipeline_with_an_unreachable_mlflow_server_ends_in_one_clear_line(tmp_path):
+    port = free_port()  # nothing listens there
+    done = pipeline(tmp_path, f"tracking.uri=http://127.0.0.1:{port}")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr[-3000:]
+    # the CLI's line (Prefect's "Stopping temporary server" log line may follow it)
+    (ours,) = [line for line in lines if line.startswith("TrackingUnreachableError: ")]
+    assert ours.startswith(f"TrackingUnreachableError: MLflow tracking store http://127.0.0.1:{port} cannot be "), ours
+    assert ours.endswith("or set tracking.enabled=false  (--debug shows the traceback)"), ours
+    assert not any(line.startswith("mlflow.exceptions.MlflowException") for line in lines), done.stderr[-3000:]
+
+
+def test_an_input_error_after_the_run_opened_marks_it_failed_with_the_error(tmp_path):
+    from tests.helpers.tiny import tiny_config
+    from vime_core.checkpoint import Checkpointer
+    from vime_core.tracking import ERROR_TAG, mlflow_client, resolve_tracking_uri
+
+    cfg = tiny_config(tmp_path / "out", "eval.datasets=[]")
+    ckpt = Checkpointer(cfg.save_dir)  # an earlier run's checkpoint: checkpoint.resume=false is refused beside it
+    ckpt.commit(ckpt.begin(0), 0, {"fingerprint_fields": cfg.fingerprint_fields(), "data_buffer": {}})
+    done = pipeline(tmp_path, "checkpoint.resume=false")
+    assert done.returncode == 2, done.stderr[-3000:]
+    client = mlflow_client(resolve_tracking_uri(cfg))
+    (run,) = client.search_runs([client.get_experiment_by_name(cfg.name).experiment_id])
+    assert run.info.status == "FAILED"
+    assert run.data.tags[ERROR_TAG].startswith("ResumeError: checkpoint.resume = false but "), run.data.tags
