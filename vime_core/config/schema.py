@@ -298,11 +298,9 @@ class ClusterConfig(Section):
         Field(
             description="Colocated GPUs: the vLLM engines sleep (free their weights and KV cache) while the trainer "
             "works, and the trainer's optimizer state goes to host memory while they generate "
-            "(train.offload_optimizer auto). false keeps the engines awake: no vLLM sleep-mode allocator (on one "
-            "H200 raw vLLM ran 0.91x as fast with it, bench/gpu_scale.py --only vllm_sleep; on another the sleeping "
-            "loop ran 0.97x raw vLLM, as fast as awake), no "
-            "offload and a faster weight sync (Qwen3-1.7B: 0.14 s vs 0.31 s), but the trainer then has only the "
-            "memory vLLM leaves it (1 - rollout.gpu_memory_utilization of each GPU: 1.7B fits, 4B does not). No "
+            "(train.offload_optimizer auto). false keeps the engines awake: no vLLM sleep-mode allocator, no "
+            "offload and a faster weight sync (bench/gpu_scale.py --set cluster.engines_sleep=false), but the "
+            "trainer then has only the memory vLLM leaves it (1 - rollout.gpu_memory_utilization of each GPU). No "
             "effect on CPU or without cluster.colocate.",
         ),
     ] = True

@@ -56,11 +56,8 @@ class TrainConfig(Section):
         Field(
             ge=16,
             description="Token budget of one micro-batch: the summed length of the samples packed into one row "
-            "(no padding). 9216 holds two 4,096-token responses: measured trainer peak for "
-            "Qwen3-1.7B bf16 on an H200 (micro-batches of 2 x 4,136 tokens, megatron optimizer, "
-            "bench/trainer_profile.py) 39.6 GiB with train.recompute = selective, 63.5 GiB with "
-            "none (29 GiB of them weights, fp32 grads and Adam state). A budget that does not fit "
-            "fails naming this field.",
+            "(no padding). 9216 holds two 4,096-token responses (vime's --max-tokens-per-gpu; peaks per shape in "
+            "bench/trainer_profile.py). A budget that does not fit fails naming this field.",
         ),
     ] = 9216
     recompute: Annotated[
@@ -69,9 +66,8 @@ class TrainConfig(Section):
         Field(
             description="Activation recompute (megatron): `none` keeps every activation; `selective` recomputes each "
             "layer's MLP (the MoE block) in backward; `full` recomputes whole layers (least memory, one "
-            "more forward). `auto`: selective on GPUs, none on CPU. Measured on an H200, Qwen3-1.7B bf16, "
-            "a step of 128 x 4,136 tokens in micro-batches of 2 (bench/trainer_profile.py): selective "
-            "31.1k tok/s at a 39.6 GiB peak, none 34.6k at 63.5 GiB."
+            "more forward). `auto`: selective on GPUs (about 10% slower than none for a third less peak memory at "
+            "Qwen3-1.7B, bench/trainer_profile.py), none on CPU."
         ),
     ] = "auto"
     logprob_chunk_tokens: Annotated[
@@ -91,9 +87,8 @@ class TrainConfig(Section):
             description="Keep each log-prob chunk's logits (in the weights' dtype) from forward to backward instead "
             "of recomputing them there: one output-layer matmul less per trained token (~4% of a Qwen3-1.7B "
             "step's FLOPs at vocab 151,936), for response tokens x vocab/TP x 2 bytes more at the peak "
-            "by arithmetic (2.8 GB for a 9,216-token bf16 micro-batch). Same values and gradients. Measured on "
-            "an H200 (Qwen3-1.7B, 16x8 x 4,136 tokens, bench/trainer_profile.py): +2.6% tok/s but a peak "
-            "16-18 GiB higher, not understood; hence off.",
+            "by arithmetic (2.8 GB for a 9,216-token bf16 micro-batch). Same values and gradients. Off: the "
+            "measured peak grew far more than that arithmetic for a few percent of speed (bench/trainer_profile.py).",
         ),
     ] = False
     old_logprobs: Annotated[
@@ -104,8 +99,8 @@ class TrainConfig(Section):
             "over the whole rollout before training (slime's way). `auto`: the first optimizer step of "
             "a rollout runs on the old policy's weights, so its training forward's own log-probs "
             "(detached) serve, and the no-grad pass covers only the later steps' samples (none with "
-            "one step per rollout). The same values up to kernel noise; an H200, Qwen3-1.7B, 16 x 8 x "
-            "4,096 tokens, one step: trainer 18.3k -> 28.1k tok/s with the sync-free micro-batch loop."
+            "one step per rollout). The same values up to kernel noise, a forward less per trained token "
+            "(bench/trainer_profile.py)."
         ),
     ] = "auto"
     offload_optimizer: Annotated[
