@@ -182,6 +182,6 @@ def test_shutdown_kills_hung_ranks_instead_of_waiting_on_each(local_ray, tmp_pat
     busy = [a.train.remote(0, []) for a in group.actors]  # ranks 1 and 2 hang in train: their shutdown never runs
     ray.get(busy[0])
     group.shutdown()
-    for i, ref in enumerate(busy[1:], 1):
+    for ref in busy[1:]:
         with pytest.raises(ray.exceptions.RayActorError):  # killed: the hung call ends with the actor
             ray.get(ref, timeout=60)

@@ -30,7 +30,7 @@ def test_offload_moves_state_out_and_back_without_changing_training():
     ref_model, ref_opt = _model_and_optimizer()
     model, opt = _model_and_optimizer()
     off = HostOffload(opt, model, model, torch.device("cpu"))
-    for step in range(3):
+    for _ in range(3):
         _step(ref_model, ref_opt, x)
         _step(model, opt, x)
         state_ids = {id(t) for st in opt.state.values() for t in st.values()}

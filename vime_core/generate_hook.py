@@ -28,7 +28,8 @@ def load_custom_generate(spec: str):
             "rollout.custom_generate to an `async def` `package.module:function` importable from the working "
             "directory or PYTHONPATH (or remove it)"
         ) from e
-    target = getattr(fn, "__call__", fn) if not inspect.isfunction(fn) else fn
+    # a callable object: its __call__ is what must be `async def` (callable() would not say which)
+    target = getattr(fn, "__call__", fn) if not inspect.isfunction(fn) else fn  # noqa: B004
     if not (inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(target)):
         raise CustomGenerateError(
             f"rollout.custom_generate = {spec!r} must be `async def` (it is a plain function): "
