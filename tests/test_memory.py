@@ -73,13 +73,10 @@ def test_offload_is_on_for_colocated_gpus(setting, engines_sleep, platform, want
 
 
 def _fake_trainer(budget: int):
+    """A step runner as the wrapper sees it: its RankState's cfg, device, peaks and last onload time."""
     cfg = SimpleNamespace(train=SimpleNamespace(max_tokens_per_device=budget))
-    return SimpleNamespace(
-        cfg=cfg,
-        device=torch.device("cpu"),
-        peaks=PhasePeaks(torch.device("cpu")),
-        onload_time=0.0,
-    )
+    st = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), peaks=PhasePeaks(torch.device("cpu")), onload_time=0.0)
+    return SimpleNamespace(st=st)
 
 
 def test_out_of_memory_names_the_budget_and_a_value_that_may_fit():

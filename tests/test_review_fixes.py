@@ -287,13 +287,13 @@ def test_the_lock_is_released_when_the_holder_file_cannot_be_removed(tmp_path, m
 
 # ---- 5. nightly candidate ----------------------------------------------------------------------------------------------
 def test_a_nightly_candidate_always_resumes_and_its_choice_is_written_whole(tmp_path):
-    from tasks.nightly import CANDIDATE_FILE, candidate_config
+    from tasks.nightly import CANDIDATE_FILE, NIGHT_CONFIG, candidate_config
 
     cfg = tiny_config(tmp_path, "tracking.enabled=false", "checkpoint.resume=false")
     cand = candidate_config(cfg, "0123456789abcdef", None)
     assert cand.checkpoint.resume is True and cand.checkpoint.start_fresh is False
     files = [p.name for p in cand.output_dir.iterdir()]
-    assert files == [CANDIDATE_FILE], files  # no temporary left behind
+    assert sorted(files) == sorted([CANDIDATE_FILE, NIGHT_CONFIG]), files  # no temporary left behind
     assert json.loads((cand.output_dir / CANDIDATE_FILE).read_text())["model_source"] == cfg.model.source
 
 

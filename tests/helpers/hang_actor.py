@@ -64,7 +64,7 @@ class HangingEngine(_Engine):
 class HangingTrainer(_Trainer):
     def train(self, rollout_id, steps):
         if rollout_id == int(os.environ.get("VIME_HANG_AT", "1")):
-            self.optim.apply = lambda *a, **k: hang_now()
+            self.state.optim.apply = lambda *a, **k: hang_now()
         return super().train(rollout_id, steps)
 
 

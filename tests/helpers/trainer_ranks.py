@@ -179,9 +179,9 @@ def deferred_start(rank: int, world: int, port: int, model_dir: str) -> dict:
 
     cfg = load_config(REPO_CONFIG, [f"train.num_devices={world}", "train.cpu_threads=1"])
     trainer = Trainer(cfg, model_dir, rank, world, "127.0.0.1", port, "cpu", defer_start=True)
-    before = {"model": hasattr(trainer, "module"), "process_group": dist.is_initialized()}
+    before = {"model": trainer.state is not None, "process_group": dist.is_initialized()}
     first, again = trainer.start(), trainer.start()
-    return {"before": before, "first": first, "again": again, "model": hasattr(trainer, "module")}
+    return {"before": before, "first": first, "again": again, "model": trainer.state is not None}
 
 
 def static_memory(rank: int, world: int, port: int, model_dir: str, overrides: list[str]) -> dict:
