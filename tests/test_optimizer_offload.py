@@ -1,6 +1,6 @@
 """train.optimizer_cpu_offload (megatron-core's HybridDeviceOptimizer through its distributed optimizer) against the
 resident megatron optimizer (both bf16 weights over fp32 masters): the same weights, Adam moments and grad norms after
-several steps. megatron-core's
+several steps; and its checkpoint: a resume continues bit-exactly. megatron-core's
 optimizer is CUDA-only, so these run where a GPU is (the device machine: `pytest tests/test_optimizer_offload.py`)
 and are skipped on the CPU box."""
 
@@ -47,3 +47,26 @@ def test_host_offloaded_optimizer_matches_the_resident_one(fraction, dense_model
     worst = float(((w0 - w1).abs() / w0.abs().clamp_min(1e-3)).max())
     # both keep fp32 masters (GPU / host) and round them to bf16 alike: rare one-ulp flips from summation order only
     assert flips < 5e-3 and worst <= 2**-7, (flips, worst)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_host_offloaded_optimizer_resumes_bit_exactly(fraction, dense_model_dir, tmp_path):
+    """2 steps, a checkpoint (model + the host and device halves of the optimizer state), then 2 more in a fresh
+    process that loads it, against 4 steps straight: every weight, fp32 master and moment equal."""
+    from tests.helpers.trainer_ranks import spawn
+
+    sets = [
+        *COMMON,
+        "checkpoint.save_optimizer=true",
+        "train.optimizer_cpu_offload=true",
+        f"train.optimizer_offload_fraction={fraction}",
+    ]
+    straight = spawn("optimizer_resume", 1, str(dense_model_dir), sets, str(tmp_path / "unused"), 4, 0)[0]
+    ckpt = str(tmp_path / "ckpt")
+    first = spawn("optimizer_resume", 1, str(dense_model_dir), sets, ckpt, 2, 0)[0]
+    resumed = spawn("optimizer_resume", 1, str(dense_model_dir), sets, ckpt, 0, 2)[0]
+    assert first["grad_norms"] == straight["grad_norms"][:2]
+    assert resumed["step"] == straight["step"] == 4
+    assert resumed["grad_norms"] == straight["grad_norms"][2:]  # the resumed steps saw the same model
+    for key in ("weights", "param", "exp_avg", "exp_avg_sq"):
+        assert resumed[key] == straight[key], key

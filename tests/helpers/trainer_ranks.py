@@ -249,3 +249,40 @@ def optimizer_run(rank: int, world: int, port: int, model_dir: str, overrides: l
     }
     trainer.shutdown()
     return out
+
+
+def optimizer_resume(
+    rank: int, world: int, port: int, model_dir: str, overrides: list[str], ckpt: str, before: int, after: int
+) -> dict:
+    """The real Trainer on this machine's GPU (tests/test_optimizer_offload.py): `before` steps then a checkpoint
+    into `ckpt` when `before` > 0; with `before` = 0, a fresh trainer that loads `ckpt` first. Then `after` more
+    steps; returns the weights and the optimizer's fp32 masters and moments (flattened lists) and the grad norms."""
+    import torch
+
+    from vime_core.config import load_config
+    from vime_core.trainer import Trainer, split_steps_and_ranks
+    from vime_core.trainer.optim import SHARD_STATE_KEYS, bucket_elements
+
+    cfg = load_config(REPO_CONFIG, [f"train.num_devices={world}", "cluster.platform=cuda", *overrides])
+    trainer = Trainer(cfg, model_dir, rank, world, "127.0.0.1", port, "cuda")
+    samples = synthetic_samples(8, trainer.state.arch.vocab_size)
+    first = 0
+    if before == 0:
+        first = trainer.load_checkpoint(ckpt) // cfg.num_steps_per_rollout  # the rollouts the checkpoint covers
+    norms = []
+    for r in range(before + after):
+        steps = split_steps_and_ranks(samples, cfg.num_steps_per_rollout, cfg.train.data_parallel_size)[rank]
+        norms.append(trainer.train(first + r, steps)["train/grad_norm"])
+        trainer.offload_optimizer()
+        trainer.onload_optimizer()
+        if r + 1 == before:
+            trainer.save_checkpoint(ckpt)
+    flat = {k: [] for k in SHARD_STATE_KEYS}
+    for elem in bucket_elements(trainer.state.optimizer):
+        for k in SHARD_STATE_KEYS:
+            flat[k].append(elem[k].detach().float().flatten().cpu())
+    out = {k: torch.cat(v).tolist() for k, v in flat.items()}
+    out["weights"] = torch.cat([p.detach().float().flatten().cpu() for p in trainer.state.module.parameters()]).tolist()
+    out["grad_norms"], out["step"] = norms, trainer.state.step
+    trainer.shutdown()
+    return out

@@ -127,12 +127,6 @@ def optimizer_problems(c: RunConfig) -> Iterator[str]:
             f"{c.model.dtype} is not supported (megatron-core 0.16.1 cannot offload fp32 or fp16 weights): set "
             "model.dtype = bfloat16 or train.optimizer_cpu_offload = false"
         )
-    if t.optimizer_cpu_offload and c.checkpoint.save_optimizer:
-        yield (
-            "train.optimizer_cpu_offload = true cannot checkpoint its optimizer state yet (megatron's distributed "
-            "optimizer format is not implemented); set checkpoint.save_optimizer = false (a resume then restarts "
-            "Adam's moments)"
-        )
 
 
 def placement_problems(c: RunConfig) -> Iterator[str]:

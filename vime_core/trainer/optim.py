@@ -38,6 +38,15 @@ class OptimizerAdapter(ABC):
         A non-finite `loss` (the step's, equal on every rank) or gradient raises NonFiniteStepError on every rank
         before the optimizer touches the weights or its moments; `where` names the step in that error."""
 
+    def checkpoint_state(self) -> dict:
+        """This rank's optimizer state for a checkpoint (tensors may live on the device or the host)."""
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_checkpoint_state(self, blob: dict) -> None:
+        """The inverse of `checkpoint_state`, on a freshly built optimizer. May move the weights (megatron's host
+        optimizer takes a throw-away step to allocate its state): load the model weights after it."""
+        self.optimizer.load_state_dict(blob["optimizer"])
+
 
 class TorchAdamW(OptimizerAdapter):
     """torch AdamW (params in cfg.model.dtype); gradients summed over DP and clipped by vime_core.grads."""
@@ -118,7 +127,37 @@ class MegatronOptimizer(OptimizerAdapter):
         if offload:
             release_cached_host_memory()
         super().__init__(optimizer, model)
-        self.weight_decay, self.device = t.weight_decay, device
+        self.weight_decay, self.device, self.distributed = t.weight_decay, device, distributed
+
+    def checkpoint_state(self) -> dict:
+        """The distributed optimizer's `state_dict()` holds only the param groups and the step; the fp32 masters
+        and moments of this DP rank's shard (on the host for the part train.optimizer_cpu_offload moved there) come
+        from megatron's bucket-order view of them, which references the live tensors: torch.save copies a device
+        tensor to the host one at a time and writes host tensors directly, so a save stages nothing whole."""
+        blob = super().checkpoint_state()
+        if self.distributed:
+            blob["param_state"] = [{k: elem[k] for k in SHARD_STATE_KEYS} for elem in bucket_elements(self.optimizer)]
+        return blob
+
+    def load_checkpoint_state(self, blob: dict) -> None:
+        super().load_checkpoint_state(blob)  # allocates the state (HybridDeviceOptimizer: a dummy step)
+        if not self.distributed:
+            return
+        saved = blob["param_state"]
+        live = len(bucket_elements(self.optimizer))
+        if live != len(saved):
+            raise ValueError(
+                f"the checkpoint's optimizer state has {len(saved)} parameter shards, this optimizer {live}: "
+                "it was saved with another model or data-parallel layout"
+            )
+        # megatron's loader for shards in this same order: it copies the masters into the host optimizer's fp32
+        # params and moves every moment to the device its half of the optimizer steps on
+        self.optimizer.load_parameter_state_from_fs_model_space(
+            {
+                i: {"fp32_param": e["param"], "exp_avg": e["exp_avg"], "exp_avg_sq": e["exp_avg_sq"]}
+                for i, e in enumerate(saved)
+            }
+        )
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -140,6 +179,21 @@ class MegatronOptimizer(OptimizerAdapter):
                 f"{where}: megatron's optimizer found non-finite gradients; the step was not applied"
             )
         return float(grad_norm)
+
+
+SHARD_STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # a shard's fp32 master and its Adam moments
+
+
+def bucket_elements(dist_optimizer) -> list[dict]:
+    """megatron's distributed optimizer state per parameter shard, in its fixed bucket order, as references to the
+    live tensors (`get_parameter_state_dp_reshardable`: fp32 `param`, `exp_avg`, `exp_avg_sq`, ...)."""
+    state = dist_optimizer.get_parameter_state_dp_reshardable()
+    out = []
+    for gbuf_idx in sorted(k for k in state if isinstance(k, int)):
+        for buckets in state[gbuf_idx].values():
+            for bucket in buckets:
+                out.extend(bucket)
+    return out
 
 
 def make_optimizer(
