@@ -261,7 +261,7 @@ def optimizer_resume(
 
     from vime_core.config import load_config
     from vime_core.trainer import Trainer, split_steps_and_ranks
-    from vime_core.trainer.optim import SHARD_STATE_KEYS, bucket_elements
+    from vime_core.trainer.optim import SHARD_STATE_KEYS, bucket_elements, optimizer_parts
 
     cfg = load_config(REPO_CONFIG, [f"train.num_devices={world}", "cluster.platform=cuda", *overrides])
     trainer = Trainer(cfg, model_dir, rank, world, "127.0.0.1", port, "cuda")
@@ -278,9 +278,10 @@ def optimizer_resume(
         if r + 1 == before:
             trainer.save_checkpoint(ckpt)
     flat = {k: [] for k in SHARD_STATE_KEYS}
-    for elem in bucket_elements(trainer.state.optimizer):
-        for k in SHARD_STATE_KEYS:
-            flat[k].append(elem[k].detach().float().flatten().cpu())
+    for part in optimizer_parts(trainer.state.optimizer):
+        for elem in bucket_elements(part):
+            for k in SHARD_STATE_KEYS:
+                flat[k].append(elem[k].detach().float().flatten().cpu())
     out = {k: torch.cat(v).tolist() for k, v in flat.items()}
     out["weights"] = torch.cat([p.detach().float().flatten().cpu() for p in trainer.state.module.parameters()]).tolist()
     out["grad_norms"], out["step"] = norms, trainer.state.step

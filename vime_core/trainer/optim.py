@@ -135,29 +135,34 @@ class MegatronOptimizer(OptimizerAdapter):
         from megatron's bucket-order view of them, which references the live tensors: torch.save copies a device
         tensor to the host one at a time and writes host tensors directly, so a save stages nothing whole."""
         blob = super().checkpoint_state()
-        if self.distributed:
-            blob["param_state"] = [{k: elem[k] for k in SHARD_STATE_KEYS} for elem in bucket_elements(self.optimizer)]
+        if self.distributed:  # one list per part of megatron's ChainedOptimizer (e.g. dense and expert params)
+            blob["param_state"] = [
+                [{k: elem[k] for k in SHARD_STATE_KEYS} for elem in bucket_elements(part)]
+                for part in optimizer_parts(self.optimizer)
+            ]
         return blob
 
     def load_checkpoint_state(self, blob: dict) -> None:
         super().load_checkpoint_state(blob)  # allocates the state (HybridDeviceOptimizer: a dummy step)
         if not self.distributed:
             return
-        saved = blob["param_state"]
-        live = len(bucket_elements(self.optimizer))
-        if live != len(saved):
+        parts = optimizer_parts(self.optimizer)
+        live = [len(bucket_elements(part)) for part in parts]
+        saved = [len(shards) for shards in blob["param_state"]]
+        if live != saved:
             raise ValueError(
-                f"the checkpoint's optimizer state has {len(saved)} parameter shards, this optimizer {live}: "
+                f"the checkpoint's optimizer state has {saved} parameter shards, this optimizer {live}: "
                 "it was saved with another model or data-parallel layout"
             )
-        # megatron's loader for shards in this same order: it copies the masters into the host optimizer's fp32
-        # params and moves every moment to the device its half of the optimizer steps on
-        self.optimizer.load_parameter_state_from_fs_model_space(
-            {
-                i: {"fp32_param": e["param"], "exp_avg": e["exp_avg"], "exp_avg_sq": e["exp_avg_sq"]}
-                for i, e in enumerate(saved)
-            }
-        )
+        for part, shards in zip(parts, blob["param_state"]):
+            # megatron's loader for shards in this same order: it copies the masters into the host optimizer's
+            # fp32 params and moves every moment to the device its half of the optimizer steps on
+            part.load_parameter_state_from_fs_model_space(
+                {
+                    i: {"fp32_param": e["param"], "exp_avg": e["exp_avg"], "exp_avg_sq": e["exp_avg_sq"]}
+                    for i, e in enumerate(shards)
+                }
+            )
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -182,6 +187,12 @@ class MegatronOptimizer(OptimizerAdapter):
 
 
 SHARD_STATE_KEYS = ("param", "exp_avg", "exp_avg_sq")  # a shard's fp32 master and its Adam moments
+
+
+def optimizer_parts(optimizer) -> list:
+    """The distributed optimizers inside megatron's ChainedOptimizer (get_megatron_optimizer returns one), or
+    `optimizer` itself."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def bucket_elements(dist_optimizer) -> list[dict]:
