@@ -155,7 +155,13 @@ def watch(parent_pid: int) -> int:
     while _running(parent):
         known.update(_snapshot(parent, os.getpid()))
         time.sleep(WATCH_INTERVAL_S)
-    reap(known)
+    # a process started in the last interval (Ray's raylet starts workers on its own, also after the driver died)
+    # is a child of one we know: take the known ones' descendants too, until a pass finds nobody alive
+    for _ in range(3):
+        for p in _alive(known):
+            known.update(_snapshot(p, os.getpid()))
+        if not reap(known):
+            break
     _remove_registered(parent_pid)
     return 0
 
