@@ -96,11 +96,14 @@ def transformer_config(
     pp: int = 1,
     recompute: str = "none",
     grouped_gemm: bool = False,
+    routing_replay: bool = False,
 ):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch_dtype = DTYPES[dtype]
     moe = moe_options(arch, ep, grouped_gemm) if arch.is_moe else {}
+    if arch.is_moe and routing_replay:  # a RouterReplay per router (rollout.routing_replay: vime_core.trainer.routing)
+        moe["moe_enable_routing_replay"] = True
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,

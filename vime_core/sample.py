@@ -23,6 +23,8 @@ class Sample:
     # output) with 0 and gives them log-prob 0, so that response_ids, rollout_logprobs and loss_mask stay aligned
     loss_mask: list[int] | None = None
     finish_reason: str = ""
+    # rollout.routing_replay: vLLM's routed experts of prompt + response, int16 [len(tokens) - 1, MoE layers, top_k]
+    routed_experts: Any = None
     reward: float | None = None
 
     @property

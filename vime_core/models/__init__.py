@@ -71,6 +71,8 @@ def check_model_compat(cfg: RunConfig, arch: Any) -> None:
     problems = layout_problems(arch, Layout.of_config(cfg))
     if problems:
         raise ConfigError("config does not fit the model: " + "; ".join(problems))
+    if cfg.rollout.routing_replay and not arch.is_moe:
+        raise ConfigError("rollout.routing_replay = true needs an MoE model (this one is dense); set it to false")
     if cfg.train.moe_grouped_gemm is True:
         why = grouped_gemm_problem(arch, cfg.model.dtype, cfg.train.tensor_parallel_size)
         if why:
