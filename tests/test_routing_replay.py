@@ -108,3 +108,15 @@ def test_routing_replay_is_refused_on_cpu_and_for_dense_models():
     check_model_compat(cfg, moe_arch(4))
     with pytest.raises(ConfigError, match=r"rollout\.routing_replay = true needs an MoE model"):
         check_model_compat(cfg, arch_from_hf_config(TINY_HF))
+
+
+def test_carried_rollouts_keep_routed_experts_through_a_checkpoint(tmp_path):
+    from vime_core.sample import Sample
+    from vime_core.schedule import FinishedRollout, read_inflight, write_inflight
+
+    routed = np.arange(8, dtype=np.int16).reshape(2, 2, 2)
+    group = [Sample(0, prompt_ids=[1, 2], response_ids=[3], rollout_logprobs=[-1.0], routed_experts=routed)]
+    ids = write_inflight(tmp_path, [FinishedRollout(3, 2, [group], {}, [0])])
+    (back,) = read_inflight(tmp_path, {"inflight_rollouts": ids})
+    got = back.groups[0][0].routed_experts
+    assert got.dtype == np.int16 and np.array_equal(got, routed)
