@@ -10,7 +10,7 @@ def spawn(fn_name: str, world: int, *args, timeout: float = 300.0) -> list:
     return spawn_ranks(__name__, fn_name, world, *args, timeout=timeout)
 
 
-def build(model_dir: str, grouped: bool):
+def build(model_dir: str, grouped: bool, recompute: str = "none"):
     """The tiny MoE (fp32, SDPA) with its HF weights, experts grouped or sequential; -> (model, arch)."""
     from vime_core import megatron_model as mm
     from vime_core.checkpoint import load_hf_state_dict, read_hf_config
@@ -18,7 +18,7 @@ def build(model_dir: str, grouped: bool):
 
     arch = arch_from_hf_config(read_hf_config(model_dir))
     _, _, ep, _ = mm.parallel_ranks()
-    model = mm.build_gpt(arch, mm.transformer_config(arch, "float32", ep=ep, grouped_gemm=grouped))
+    model = mm.build_gpt(arch, mm.transformer_config(arch, "float32", ep=ep, grouped_gemm=grouped, recompute=recompute))
     mm.load_full_weights(model, spec_of(arch).mapping().hf_to_mcore(load_hf_state_dict(model_dir), arch), arch)
     return model, arch
 
@@ -65,8 +65,8 @@ def logp_and_grads(model, arch, batch) -> tuple:
 
 
 def compare(rank: int, world: int, port: int, model_dir: str, ckpt_dir: str) -> dict:
-    """Sequential vs grouped experts at EP = world: log-probs, gradients, the full weights they export, and a
-    torch_dist checkpoint saved by the grouped model loaded into a sequential one."""
+    """Sequential vs grouped experts (MoE block recomputed in backward) at EP = world: log-probs, gradients, the full
+    weights they export, and a torch_dist checkpoint saved by the grouped model loaded into a sequential one."""
     from pathlib import Path
 
     import torch
@@ -77,7 +77,7 @@ def compare(rank: int, world: int, port: int, model_dir: str, ckpt_dir: str) -> 
     init_rank(rank, world, port, 1, 1, world)
     torch.manual_seed(0)
     seq, arch = build(model_dir, grouped=False)
-    grp, _ = build(model_dir, grouped=True)
+    grp, _ = build(model_dir, grouped=True, recompute="selective")  # the MoE block recomputed in backward, as on GPUs
     out = {"experts_module": type(grp.decoder.layers[0].mlp.experts).__name__}
     batch = samples(arch.vocab_size)
     lp_s, g_s = logp_and_grads(seq, arch, batch)
@@ -150,7 +150,8 @@ def train_and_export(rank: int, world: int, port: int, model_dir: str, ckpt_dir:
 
 
 def replay_models(model_dir: str) -> tuple[dict, object]:
-    """{grouped: the tiny MoE built for routing replay} with grouped and with sequential experts; and its arch."""
+    """{grouped: the tiny MoE built for routing replay} with grouped experts, and with sequential ones whose MoE block
+    is recomputed in backward (the replay must hold there too); and its arch."""
     from vime_core import megatron_model as mm
     from vime_core.checkpoint import load_hf_state_dict, read_hf_config
     from vime_core.models import arch_from_hf_config, spec_of
@@ -159,7 +160,8 @@ def replay_models(model_dir: str) -> tuple[dict, object]:
     full = spec_of(arch).mapping().hf_to_mcore(load_hf_state_dict(model_dir), arch)
     models = {}
     for grouped in (True, False):
-        config = mm.transformer_config(arch, "float32", grouped_gemm=grouped, routing_replay=True)
+        recompute = "none" if grouped else "selective"
+        config = mm.transformer_config(arch, "float32", grouped_gemm=grouped, routing_replay=True, recompute=recompute)
         models[grouped] = mm.build_gpt(arch, config)
         mm.load_full_weights(models[grouped], full, arch)
     return models, arch
@@ -211,10 +213,13 @@ def routing_replay(rank: int, world: int, port: int, model_dir: str) -> dict:
     lp = {g: runner.forward(m, changed, with_entropy=False)[0] for g, m in models.items()}
     out["changed_logp_diff"] = float((lp[True] - free).detach().abs().max())
     out["changed_grouped_vs_sequential"] = float((lp[True] - lp[False]).detach().abs().max())
-    model.zero_grad(set_to_none=True)
-    lp[True].sum().backward()
-    router = model.decoder.layers[1].mlp.router.weight.grad
-    out["router_grad"] = float(router.abs().max()) if router is not None else 0.0
+    grads = {}
+    for g, m in models.items():
+        m.zero_grad(set_to_none=True)
+        lp[g].sum().backward()
+        grads[g] = m.decoder.layers[1].mlp.router.weight.grad
+    out["router_grad"] = float(grads[True].abs().max()) if grads[True] is not None else 0.0
+    out["router_grad_recompute_rel_diff"] = float((grads[True] - grads[False]).abs().max()) / out["router_grad"]
     bad = [own[0], replace(own[1], routed_experts=own[1].routed_experts[:-1])]
     try:
         runner.forward(model, bad, with_entropy=False)
