@@ -401,6 +401,7 @@ def engine_specs(cfg: RunConfig, p: Placement, platform: str, model_path: str) -
             cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
             enforce_eager=cfg.rollout.enforce_eager,
             custom_generate=cfg.rollout.custom_generate,
+            routing_replay=cfg.rollout.routing_replay,
             sleep_mode=p.engines_sleep,
             name=f"vLLM engine {i}",
             extra=dict(cfg.rollout.vllm_kwargs),

@@ -62,8 +62,9 @@ def _shim_checkpoint_rng_for_cpu() -> None:
     mrandom._set_cuda_rng_state = lambda *a, **k: None
 
 
-def moe_options(arch: Qwen3Arch, ep: int) -> dict:
-    """TransformerConfig's MoE fields for Qwen3-MoE at expert-parallel size `ep`."""
+def moe_options(arch: Qwen3Arch, ep: int, grouped_gemm: bool = False) -> dict:
+    """TransformerConfig's MoE fields for Qwen3-MoE at expert-parallel size `ep`; `grouped_gemm`: the experts are
+    vime_core.grouped_experts.TorchGroupedMLP instead of SequentialMLP (build_gpt reads the field)."""
     return dict(
         num_moe_experts=arch.num_experts,
         moe_router_topk=arch.moe_topk,
@@ -71,7 +72,7 @@ def moe_options(arch: Qwen3Arch, ep: int) -> dict:
         # Qwen3-MoE: softmax over all experts, top-k, renormalise (norm_topk_prob) == softmax over the top-k logits
         moe_router_pre_softmax=not arch.norm_topk_prob,
         moe_router_score_function="softmax",
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=grouped_gemm,
         # KNOWN LIMITATION (EP > 1 training, e.g. configs/qwen3-30b-a3b.yaml's EP=8): the allgather dispatcher
         # all-gathers every layer's tokens over the TP x EP group with equal sizes (no output_split_sizes), so all
         # EP ranks must run the same number of micro-batches of the same token count, in lockstep. Token-budget
@@ -94,11 +95,15 @@ def transformer_config(
     on_cpu: bool = True,
     pp: int = 1,
     recompute: str = "none",
+    grouped_gemm: bool = False,
+    routing_replay: bool = False,
 ):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch_dtype = DTYPES[dtype]
-    moe = moe_options(arch, ep) if arch.is_moe else {}
+    moe = moe_options(arch, ep, grouped_gemm) if arch.is_moe else {}
+    if arch.is_moe and routing_replay:  # a RouterReplay per router (rollout.routing_replay: vime_core.trainer.routing)
+        moe["moe_enable_routing_replay"] = True
     return TransformerConfig(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -166,16 +171,10 @@ def build_gpt(arch: Qwen3Arch, config, attention: str = "sdpa", lean_norm: bool 
         position_embedding = "none"
     elif attention != "local":
         raise ValueError(f"attention = {attention!r}: expected sdpa or local")
+    if arch.is_moe and config.moe_grouped_gemm:
+        use_grouped_experts(spec)
     if lean_norm:
-        layer, attn = spec.submodules, spec.submodules.self_attention.submodules
-        for owner, name in (
-            (layer, "input_layernorm"),
-            (layer, "pre_mlp_layernorm"),
-            (attn, "q_layernorm"),
-            (attn, "k_layernorm"),
-        ):
-            if getattr(owner, name) is not None and getattr(getattr(owner, name), "__name__", "") == "WrappedTorchNorm":
-                setattr(owner, name, LeanRMSNorm)
+        use_lean_norms(spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -195,6 +194,30 @@ def build_gpt(arch: Qwen3Arch, config, attention: str = "sdpa", lean_norm: bool 
         if p.dtype != config.params_dtype:
             p.data = p.data.to(config.params_dtype)
     return model
+
+
+def use_lean_norms(spec) -> None:
+    """The layer spec's torch RMSNorms -> LeanRMSNorm (same parameters and values, less saved activation)."""
+    layer, attn = spec.submodules, spec.submodules.self_attention.submodules
+    for owner, name in (
+        (layer, "input_layernorm"),
+        (layer, "pre_mlp_layernorm"),
+        (attn, "q_layernorm"),
+        (attn, "k_layernorm"),
+    ):
+        if getattr(owner, name) is not None and getattr(getattr(owner, name), "__name__", "") == "WrappedTorchNorm":
+            setattr(owner, name, LeanRMSNorm)
+
+
+def use_grouped_experts(spec) -> None:
+    """The MoE layer spec's experts -> vime_core.grouped_experts.TorchGroupedMLP. Swapped into the spec rather than
+    asked of megatron's spec builder, whose legacy GroupedMLP needs the grouped_gemm package and warns that it is
+    deprecated in favour of Transformer Engine's."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from vime_core.grouped_experts import TorchGroupedMLP
+
+    spec.submodules.mlp.submodules.experts = ModuleSpec(module=TorchGroupedMLP)
 
 
 def _rms_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,7 +364,11 @@ def load_full_weights(model: torch.nn.Module, full: Mapping[str, torch.Tensor], 
             arch.num_layers,
         )
     )
+    from vime_core.grouped_experts import group_experts, is_grouped  # imports megatron
+
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    if arch.is_moe and is_grouped(own):
+        local = group_experts(local)
     missing, unexpected = name_diff(own, local)
     if missing or unexpected:
         raise ValueError("weights do not fit the megatron model: " + describe_name_diff(missing, unexpected))
@@ -362,6 +389,18 @@ def _all_gather(t: torch.Tensor, group) -> list[torch.Tensor]:
     return out
 
 
+def local_weights(model: torch.nn.Module, num_local_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's (name, detached tensor) pairs, MoE experts under SequentialMLP's per-expert names whichever
+    experts module the model runs (vime_core.grouped_experts)."""
+    from vime_core.grouped_experts import ungroup_experts  # imports megatron
+
+    for name, t in model.state_dict().items():
+        if not name.endswith("_extra_state"):
+            yield from (
+                ungroup_experts(name, t.detach(), num_local_experts) if num_local_experts else [(name, t.detach())]
+            )
+
+
 def iter_full_weights(model: torch.nn.Module, arch: Qwen3Arch) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (megatron name with global expert id, full tensor) for every parameter. Collective: every rank of the
     TP and EP groups must iterate in step; all of them receive the full tensors."""
@@ -372,10 +411,7 @@ def iter_full_weights(model: torch.nn.Module, arch: Qwen3Arch) -> Iterator[tuple
     ep_group = ps.get_expert_model_parallel_group() if ep > 1 else None
     per_rank = arch.num_experts // ep if arch.num_experts else 0
     mapping = spec_of(arch).mapping()
-    for name, t in model.state_dict().items():
-        if name.endswith("_extra_state"):
-            continue
-        t = t.detach()
+    for name, t in local_weights(model, arch.num_experts // ep if arch.is_moe else 0):
         e = mapping.expert_index(name)
         if e is not None:
             shards_by_ep = _all_gather(t, ep_group) if ep > 1 else [t]

@@ -27,6 +27,8 @@ TRAIN_METRICS = (
     "train/grad_norm",
     "train/train_rollout_logprob_abs_diff",
 )
+# logged every step with rollout.routing_replay on (R3, vime_core.trainer.routing)
+ROUTING_METRICS = ("train/routing_agreement", "train/train_rollout_logprob_abs_diff_no_replay")
 PERF_METRICS = (
     "perf/tokens_per_gpu_per_sec",
     "perf/rollout_time",

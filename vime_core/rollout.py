@@ -77,6 +77,7 @@ class Generation:
     logprobs: list[float]
     finish_reason: str
     text: str
+    routed_experts: Any = None  # [prompt + response - 1, MoE layers, top_k] with rollout.routing_replay
 
 
 @dataclass
@@ -91,6 +92,7 @@ class EngineOptions:
     cpu_kv_cache_gib: float = 1.0
     enforce_eager: bool = False
     custom_generate: str | None = None
+    routing_replay: bool = False  # return each token's routed experts (rollout.routing_replay)
     sleep_mode: bool = False  # colocated GPU engines release their memory while the trainer works
     name: str = "vLLM engine 0"  # what the router calls it: its progress beats (vime_core.progress) carry it
     extra: dict[str, Any] = field(default_factory=dict)
@@ -128,6 +130,8 @@ def engine_kwargs(opts: EngineOptions) -> dict[str, Any]:
         worker_extension_cls="vime_core.sync.worker.VLLMWorkerExtension",
         enable_prefix_caching=True,
     )
+    if opts.routing_replay:
+        kwargs["enable_return_routed_experts"] = True
     if opts.platform == "cpu":
         kwargs["kv_cache_memory_bytes"] = int(opts.cpu_kv_cache_gib * 2**30)
         # A chunked prefill discards the token sampled for the partial prompt and rewinds that request's seeded
@@ -158,6 +162,8 @@ class VLLMEngine:
         if opts.platform == "cpu":
             # in-process engine core: starts in seconds instead of ~30 s and needs no extra process
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if opts.routing_replay:  # vLLM 0.32 returns routed experts from its V2 model runner only
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
         from vllm import LLM
 
         quiet_vllm()  # again: vLLM's own handler exists now
@@ -257,7 +263,7 @@ class VLLMEngine:
 def _generation(c) -> Generation:
     ids = list(c.token_ids)
     lps = [c.logprobs[i][t].logprob for i, t in enumerate(ids)] if c.logprobs else []
-    return Generation(ids, lps, c.finish_reason or "", c.text)
+    return Generation(ids, lps, c.finish_reason or "", c.text, getattr(c, "routed_experts", None))
 
 
 def _fill(template: Sample, g: Generation) -> Sample:
@@ -268,6 +274,7 @@ def _fill(template: Sample, g: Generation) -> Sample:
         rollout_logprobs=g.logprobs,
         finish_reason=g.finish_reason,
         response=g.text,
+        routed_experts=g.routed_experts,
     )
 
 

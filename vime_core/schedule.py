@@ -25,7 +25,7 @@ import logging
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -95,13 +95,17 @@ class FinishedRollout:
             "version": self.version,
             "metrics": self.metrics,
             "consumed": self.consumed,
-            "groups": [[asdict(s) for s in g] for g in self.groups],
+            "groups": [[s.to_dict() for s in g] for g in self.groups],
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> "FinishedRollout":
         return cls(
-            d["rollout_id"], d["version"], [[Sample(**s) for s in g] for g in d["groups"]], d["metrics"], d["consumed"]
+            d["rollout_id"],
+            d["version"],
+            [[Sample.from_dict(s) for s in g] for g in d["groups"]],
+            d["metrics"],
+            d["consumed"],
         )
 
 

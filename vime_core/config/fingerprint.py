@@ -12,8 +12,8 @@ The calls that are not obvious:
   rollout.over_sampling_batch_size / max_sampling_attempts (how many prompts a step consumes): the data order;
   rollout.stop, custom_generate, reward, reward_type, strict_format, dynamic_sampling, max_staleness: what is
   generated, how it is scored, which groups and which policy's samples are trained; train.clip_grad, adam_eps: the
-  update; train.num_devices, the parallel sizes, sequence_parallel, distributed_optimizer: the layout the optimizer
-  state was saved at.
+  update; train.num_devices, the parallel sizes, sequence_parallel, distributed_optimizer, moe_grouped_gemm: the
+  layout the optimizer state was saved at.
 - free: data.bad_rows (under `error` a bad row stopped the run, so the set had none: `skip` changes nothing, and
   back to `error` fails loudly at load); train.max_tokens_per_device, recompute, logprob_chunk_tokens,
   logprob_keep_logits, old_logprobs, offload_optimizer, cpu_threads (memory and speed: the loss denominators are

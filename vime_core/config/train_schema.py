@@ -28,6 +28,17 @@ class TrainConfig(Section):
             "only in its Transformer Engine layer spec, and vime-flow builds the local spec; must be false."
         ),
     ] = False
+    moe_grouped_gemm: Annotated[
+        Literal["auto"] | bool,
+        FIXED,
+        Field(
+            description="MoE experts as one grouped GEMM per projection (megatron's GroupedMLP on torch._grouped_mm) "
+            "instead of a loop over experts (SequentialMLP): 0.32 ms against 3.82 ms for 128 experts x [2,048 -> "
+            "768] at 65,536 tokens, bf16, H200. Same values; torch_dist checkpoints load either way. `auto`: on for "
+            "MoE models whose expert GEMMs have 16-byte rows (every Qwen3-MoE). Fixed across a resume: the "
+            "optimizer state is saved per parameter, and the two hold different parameters."
+        ),
+    ] = "auto"
     global_batch_size: Annotated[int, FIXED, Field(ge=1, description="Samples per optimizer step.")] = 256
     timeout_s: Annotated[
         int,

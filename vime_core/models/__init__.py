@@ -24,7 +24,9 @@ __all__ = [
     "UnsupportedModelError",
     "arch_from_hf_config",
     "check_model_compat",
+    "grouped_gemm_problem",
     "layout_problems",
+    "resolve_grouped_gemm",
     "spec_for",
     "spec_of",
 ]
@@ -69,3 +71,27 @@ def check_model_compat(cfg: RunConfig, arch: Any) -> None:
     problems = layout_problems(arch, Layout.of_config(cfg))
     if problems:
         raise ConfigError("config does not fit the model: " + "; ".join(problems))
+    if cfg.rollout.routing_replay and not arch.is_moe:
+        raise ConfigError("rollout.routing_replay = true needs an MoE model (this one is dense); set it to false")
+    if cfg.train.moe_grouped_gemm is True:
+        why = grouped_gemm_problem(arch, cfg.model.dtype, cfg.train.tensor_parallel_size)
+        if why:
+            raise ConfigError(f"train.moe_grouped_gemm = true does not fit the model ({why}); set it to auto or false")
+
+
+def grouped_gemm_problem(arch: Any, dtype: str, tp: int) -> str | None:
+    """Why the MoE experts of `arch` cannot run as grouped GEMMs (vime_core.grouped_experts), or None: torch's
+    grouped GEMM refuses operands whose rows are not 16-byte multiples ("strides should be multiple of 16 bytes")."""
+    if not arch.is_moe:
+        return "the model has no MoE layers"
+    itemsize = {"float32": 4, "bfloat16": 2}[dtype]
+    hidden, ffn = arch.hidden_size, arch.moe_ffn_hidden_size
+    if all((n * itemsize) % 16 == 0 for n in (hidden, 2 * ffn // tp, ffn // tp)):
+        return None
+    return f"hidden_size {hidden} and moe_intermediate_size {ffn} / TP {tp} in {dtype} are not 16-byte rows"
+
+
+def resolve_grouped_gemm(setting: str | bool, arch: Any, dtype: str, tp: int) -> bool:
+    """train.moe_grouped_gemm -> whether the trainer builds grouped experts: `auto` wherever they run (an MoE model
+    whose expert GEMMs torch's grouped GEMM takes); `true` that cannot is refused by check_model_compat."""
+    return setting is not False and grouped_gemm_problem(arch, dtype, tp) is None

