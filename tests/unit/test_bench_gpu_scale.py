@@ -8,7 +8,7 @@ import pytest
 
 from vime_core.config import load_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def load_bench(name: str):

@@ -19,7 +19,7 @@ from vime_core.config import (
     parse_override,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny-cpu.yaml"
 
 

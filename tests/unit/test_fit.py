@@ -12,7 +12,7 @@ from vime_core.config import ConfigError, load_config
 from vime_core.fit import GIB, MemoryFitError, check_memory_fit, memory_plan
 from vime_core.models import arch_from_hf_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIG_8B = str(REPO / "configs" / "qwen3-8b-cuda-1gpu.yaml")
 H200 = 150_754_820_096  # torch's total_memory of an H200 (140.4 GiB)
 HOST = 128 * GIB

@@ -17,7 +17,7 @@ from vime_core.builtin import RECIPES
 from vime_core.config import ConfigError, RunConfig, load_config
 from vime_core.models import Qwen3Arch, arch_from_hf_config, check_model_compat
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 INFRA = REPO / "infra"
 DOCKERFILES = [INFRA / "Dockerfile.cuda", INFRA / "Dockerfile.rocm"]
