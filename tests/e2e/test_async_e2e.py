@@ -18,7 +18,6 @@ from tests.helpers.train_process import kill_group, ledger, resumed_at, wait_for
 from tests.helpers.train_process import start_train as start_vime_train
 from vime_core.metrics import MemorySink
 
-pytestmark = pytest.mark.e2e
 
 STEPS, SAVE_EVERY, N = 20, 10, 1
 
@@ -56,7 +55,7 @@ def test_staleness_bound_holds_and_is_reached(async_run):
     entries = ledger(cfg.output_dir)
     assert [(e["rollout_id"], e["policy_version"]) for e in entries] == [(k, max(0, k - N)) for k in range(STEPS)]
     # the samples of steps after the first came from an older policy than the trained one: the trainer's recomputed
-    # log-probs differ from vLLM's by more than the on-policy mismatch (~2e-7 in float32, tests/test_engine_e2e.py)
+    # log-probs differ from vLLM's by more than the on-policy mismatch (~2e-7 in float32, tests/e2e/test_engine_e2e.py)
     assert min(r["train/train_rollout_logprob_abs_diff"] for r in rows[1:]) > 1e-4
     # step 0 trained the start weights' own samples: the on-policy mismatch only, as the synchronous loop's
     assert rows[0]["train/train_rollout_logprob_abs_diff"] < 1e-5

@@ -11,12 +11,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.helpers.train_process import kill_group, ledger, resumed_at, wait_for
 from tests.helpers.train_process import start_train as start_vime_train
 
-pytestmark = pytest.mark.e2e
 
 STEPS, BATCH, SAVE_EVERY = 6, 16, 2
 

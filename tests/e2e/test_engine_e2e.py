@@ -15,7 +15,6 @@ from tests.helpers.tiny import tiny_config
 from vime_core.kv_cache import kv_cache_shortfall
 from vime_core.metrics import PERF_METRICS, ROLLOUT_METRICS, TRAIN_METRICS, MemorySink
 
-pytestmark = pytest.mark.e2e
 
 DENSE_STEPS = 20
 RESUME_FROM = 9  # the exact-resume test restarts from this checkpoint

@@ -11,8 +11,6 @@ import pytest
 from tests.helpers.tiny import tiny_config
 from vime_core.errors import ActorTimeoutError
 
-pytestmark = pytest.mark.e2e  # starts Ray: serialise with the other heavy tests
-
 
 class Sleepy:
     """Answers like an engine / a trainer rank, but `hang` seconds late."""

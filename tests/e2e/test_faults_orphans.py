@@ -8,118 +8,15 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
+from tests.helpers.orphans import GRACE_S, descendants, run_dirs, survivors, wait_gone
 from tests.helpers.tiny import REPO
 
 VIME = Path(sys.executable).parent / "vime"
-GRACE_S = 20  # the watchdog polls every 0.5 s and gives SIGTERM 3 s before SIGKILL
 
 
-def descendants(pid: int) -> dict[int, tuple[float, str]]:
-    import psutil
-
-    try:
-        return {p.pid: (p.create_time(), " ".join(p.cmdline())) for p in psutil.Process(pid).children(recursive=True)}
-    except psutil.Error:
-        return {}
-
-
-def run_dirs(known: dict[int, tuple[float, str]]) -> set[str]:
-    """The Ray session dir and the actors' TMPDIR of the processes in `known` (from command lines and environments)."""
-    import re
-
-    import psutil
-
-    dirs = set()
-    for pid, (_, cmd) in known.items():
-        dirs.update(re.findall(r"/tmp/ray/session_[0-9_-]+", cmd))
-        try:
-            tmp = psutil.Process(pid).environ().get("TMPDIR", "")
-        except psutil.Error:
-            continue
-        if "vime-actors-" in tmp:
-            dirs.add(tmp)
-    return dirs
-
-
-def survivors(known: dict[int, tuple[float, str]]) -> list[str]:
-    import psutil
-
-    alive = []
-    for pid, (started, cmd) in known.items():
-        try:
-            p = psutil.Process(pid)
-            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(f"{pid}: {cmd[:120]}")
-        except psutil.Error:
-            pass
-    return alive
-
-
-def wait_gone(known: dict, timeout: float) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while (left := survivors(known)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
-
-
-def test_the_watchdog_takes_a_library_started_server_with_it(tmp_path):
-    """A parent starts a 'server' it cannot give a preexec_fn (as Prefect does) and the watchdog; SIGKILL the parent."""
-    parent = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent("""
-        import subprocess, sys, time
-        from vime_core.orphans import start_watchdog
-        start_watchdog()
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-        print("up", flush=True)
-        time.sleep(600)
-    """),
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert parent.stdout.readline().strip() == "up"
-    time.sleep(1.5)  # the watchdog's first snapshot
-    known = descendants(parent.pid)
-    assert any("time.sleep(600)" in cmd for _, cmd in known.values()), known
-    parent.send_signal(signal.SIGKILL)
-    parent.wait()
-    left = wait_gone(known, GRACE_S)
-    assert not left, f"orphans left behind: {left}"
-
-
-def test_die_with_parent_sets_pdeathsig():
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent("""
-        import ctypes, signal
-        from vime_core.orphans import die_with_parent
-        assert die_with_parent(signal.SIGTERM)
-        sig = ctypes.c_int()
-        ctypes.CDLL(None).prctl(2, ctypes.byref(sig), 0, 0, 0)  # PR_GET_PDEATHSIG
-        print(sig.value)
-    """),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-    )
-    assert child.returncode == 0, child.stderr
-    assert int(child.stdout) == signal.SIGTERM
-
-
-@pytest.mark.e2e
 def test_sigkill_of_vime_train_leaves_no_process_behind(tmp_path):
     out = tmp_path / "run"
     args = [
@@ -172,7 +69,6 @@ def test_sigkill_of_vime_train_leaves_no_process_behind(tmp_path):
                 pass
 
 
-@pytest.mark.e2e
 def test_sigkill_of_vime_pipeline_takes_its_temporary_prefect_server(tmp_path):
     """Killed once its temporary Prefect server (uvicorn) is up: before the watchdog it ran on indefinitely."""
     home = tmp_path / "prefect"

@@ -11,7 +11,6 @@ import pytest
 from tests.helpers.tiny import tiny_config
 from vime_core.metrics import MemorySink
 
-pytestmark = pytest.mark.e2e
 
 SHORT = [
     "eval.datasets=[]",

@@ -14,7 +14,6 @@ import pytest
 from tests.helpers.tiny import tiny_config
 from tests.helpers.train_process import start_train, wait_for
 
-pytestmark = pytest.mark.e2e
 
 SAVED = r"^stopped by {sig}: last checkpoint (\S+) \(after rollout step (\d+)/40\); a rerun resumes from it$"
 

@@ -37,7 +37,6 @@ from tasks.nightly import flow_run_key
 from tests.helpers.tiny import REPO
 from vime_core.ports import free_port
 
-pytestmark = pytest.mark.e2e
 
 BIN = Path(sys.executable).parent
 STEPS = 3

@@ -13,11 +13,8 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 from tests.helpers.tiny import REPO
 
-pytestmark = pytest.mark.e2e
 
 VIME = Path(sys.executable).parent / "vime"
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}

@@ -10,11 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.helpers.tiny import REPO
-
-pytestmark = pytest.mark.e2e
 
 
 def hung_train(tmp_path: Path, env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess:

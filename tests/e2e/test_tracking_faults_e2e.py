@@ -10,12 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.helpers.tiny import REPO
 from vime_core.ports import free_port
-
-pytestmark = pytest.mark.e2e
 
 
 def pipeline(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
@@ -45,7 +41,7 @@ def test_the_pipeline_with_an_unreachable_mlflow_server_ends_in_one_clear_line(t
 def test_a_refused_resume_fails_before_the_pipeline_opens_a_run(tmp_path):
     """checkpoint.resume=false beside an earlier checkpoint is an input error the pipeline checks before its MLflow
     run opens (prepare.check_resume): one line, exit 2, and no run left behind to mark (errors after the run opened
-    end it FAILED with vime.error: tests/test_faults_cli.py)."""
+    end it FAILED with vime.error: tests/unit/test_faults_cli.py)."""
     from tests.helpers.tiny import tiny_config
     from vime_core.checkpoint import Checkpointer
     from vime_core.tracking import mlflow_client, resolve_tracking_uri

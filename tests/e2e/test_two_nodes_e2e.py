@@ -19,7 +19,6 @@ import pytest
 
 from tests.helpers.tiny import REPO
 
-pytestmark = pytest.mark.e2e
 
 RAY = Path(sys.executable).parent / "ray"
 STEPS = 3

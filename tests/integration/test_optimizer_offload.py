@@ -1,8 +1,8 @@
 """train.optimizer_cpu_offload (megatron-core's HybridDeviceOptimizer through its distributed optimizer) against the
 resident megatron optimizer (both bf16 weights over fp32 masters): the same weights, Adam moments and grad norms after
-several steps; and its checkpoint: a resume continues bit-exactly. megatron-core's
-optimizer is CUDA-only, so these run where a GPU is (the device machine: `pytest tests/test_optimizer_offload.py`)
-and are skipped on the CPU box."""
+several steps; and its checkpoint: a resume continues bit-exactly. megatron-core's optimizer is CUDA-only, so these run
+where a GPU is (the device machine: `pytest tests/integration/test_optimizer_offload.py`) and are skipped on the CPU
+box."""
 
 from __future__ import annotations
 

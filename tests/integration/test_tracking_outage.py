@@ -21,7 +21,6 @@ from tests.helpers.mlflow_server import start_server, stop_server
 from tests.helpers.tiny import REPO
 from vime_core.ports import free_port
 
-pytestmark = pytest.mark.e2e
 
 OUTAGE_AFTER_FIRST_FAILURE_S = 20
 MODEL = "vime-tiny-cpu"  # registered_name of configs/tiny-cpu.yaml

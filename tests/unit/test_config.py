@@ -3,8 +3,6 @@ the resume fingerprint: test_fingerprint.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import typing
 from pathlib import Path
 
@@ -209,15 +207,6 @@ def test_vllm_kwargs_pass_through_but_not_the_arguments_vime_flow_sets():
     assert "rollout.vllm_kwargs.gpu_memory_utilization is set by vime-flow from rollout.gpu_memory_utilization" in msg
 
 
-def test_vllm_kwargs_names_are_checked_against_the_installed_vllm():
-    """In a child process: importing vLLM takes ~12 s here and sets process-wide state the other tests do without."""
-    code = "from vime_core.rollout import check_vllm_kwargs as c; c({'max_num_seqs': 8}); c({'max_num_seq': 8})"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert out.returncode != 0 and "VllmKwargsError" in out.stderr, out.stderr[-2000:]
-    assert "rollout.vllm_kwargs.max_num_seq is not an argument of vLLM" in out.stderr
-    assert "did you mean max_num_seqs" in out.stderr
-
-
 def test_cpu_platform_rejects_nccl():
     msg = _error(["cluster.platform=cpu", "sync.strategy=nccl"])
     assert "sync.strategy = nccl needs a GPU platform" in msg
@@ -257,7 +246,7 @@ def test_all_range_errors_are_reported_together():
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# flatten (the fingerprint: tests/test_fingerprint.py)
+# flatten (the fingerprint: tests/unit/test_fingerprint.py)
 # --------------------------------------------------------------------------------------------------------------------
 def test_flatten_gives_dotted_keys():
     cfg = load_config(TINY)

@@ -1,21 +1,21 @@
-"""The start-up and shutdown shortcuts of `vime train` (issue 14 item 5) keep their guarantees: a Ray started in the
-background reports its failure where the loop waits for it; shutdown stops Ray's processes only; the fast exit still
-runs atexit handlers and keeps the exit code."""
+"""The start-up shortcuts of `vime train` (issue 14 item 5) keep their guarantees: a Ray started in the background
+reports its failure where the loop waits for it, prestarted actors are used only when made from equal inputs, and a
+run with nothing to train starts no engines. Shutdown on real processes: tests/integration/test_fast_start.py."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import threading
-import time
+from types import SimpleNamespace
 
-import psutil
 import pytest
 
-from tests.helpers.tiny import REPO, tiny_config
+from tests.helpers.tiny import tiny_config
+from tests.unit.test_nightly_units import retried
 from vime_core import cluster
 from vime_core.early_ray import EarlyStart, start_ray_early
+from vime_core.errors import VimeError
 
 
 def test_background_ray_start_failure_is_raised_by_init_ray(tmp_path, monkeypatch):
@@ -91,42 +91,6 @@ def test_prestarted_actors_are_used_only_when_made_from_equal_inputs(tmp_path):
     assert early.take("trainers", tiny_config(tmp_path), "pg", "model", None) == ["t0"]  # equal, not the same
 
 
-def test_shutdown_stops_ray_programs_only(monkeypatch):
-    """Children running the ray package's files (and their children) are Ray's; a math-verify worker is not."""
-    import ray
-
-    sleeper = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
-    ray_like = subprocess.Popen([sys.executable, "-c", sleeper, f"{ray.__path__[0]}/fake_raylet"])
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "vime_core.verify_pool"])
-    monkeypatch.setattr(cluster._local, "preexisting", frozenset())
-    try:
-        deadline = time.time() + 20
-        while not psutil.Process(ray_like.pid).children() and time.time() < deadline:
-            time.sleep(0.1)
-        grandchildren = {c.pid for c in psutil.Process(ray_like.pid).children()}
-        pids = {p.pid for p in cluster._ray_descendants()}
-        assert ray_like.pid in pids
-        assert grandchildren and grandchildren <= pids  # a Ray program's children (workers, actors) count too
-        assert other.pid not in pids
-    finally:
-        for proc in (ray_like, other):
-            proc.kill()
-            proc.wait()
-
-
-def test_exit_now_runs_atexit_and_keeps_the_code():
-    code = (
-        "import atexit, threading, time\n"
-        "from vime_core.cli import exit_now\n"
-        "atexit.register(lambda: print('atexit ran', flush=True))\n"
-        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done', flush=True))).start()\n"
-        "exit_now(3)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 3
-    assert proc.stdout.splitlines() == ["thread done", "atexit ran"]
-
-
 def test_the_pipeline_starts_no_engines_for_a_run_with_nothing_to_train(tmp_path):
     """vime-pipeline's early start peeks at the checkpoints' state files only (no verification, nothing moved)."""
     from flows.grpo_pipeline import nothing_to_train
@@ -142,3 +106,68 @@ def test_the_pipeline_starts_no_engines_for_a_run_with_nothing_to_train(tmp_path
     assert nothing_to_train(cfg)
     assert not nothing_to_train(tiny_config(tmp_path, "rollout.num_rollout=30"))
     assert sorted(p.name for p in cfg.save_dir.iterdir()) == ["iter_0000009", "iter_0000019"]
+
+
+class FakeRef:
+    def __init__(self, error):
+        self.error = error
+
+
+class FakeActor:
+    def __init__(self, error):
+        self.start = SimpleNamespace(remote=lambda: FakeRef(error))
+
+
+@pytest.mark.parametrize("cause, user", [(ValueError("weights file truncated"), True), (MemoryError("oom"), False)])
+def test_an_actor_start_failure_is_a_user_error_only_when_its_cause_is_one(monkeypatch, cause, user):
+    from vime_core.errors import ClusterError
+    from vime_core.rpc import wait_ready
+    from vime_core.integrity import WeightsFileError
+
+    cause = WeightsFileError(str(cause)) if user else cause
+
+    class ActorDied(Exception):  # what ray.get raises: the actor's exception as `.cause`
+        def __init__(self, c):
+            super().__init__(f"actor died: {c}")
+            self.cause = c
+
+    def get(ref):
+        raise ActorDied(ref.error)
+
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(get=get))
+    with pytest.raises(Exception) as e:
+        wait_ready([FakeActor(cause)], [], None)
+    assert isinstance(e.value, ClusterError) is user and isinstance(e.value, VimeError) is user
+    assert "trainer rank 0 failed to start" in str(e.value) and isinstance(e.value.__cause__, ActorDied)
+    assert retried(e.value) is not user
+
+
+def test_colocated_trainers_start_only_once_the_engines_are_up(monkeypatch):
+    """wait_ready(engines_first=True): every engine's ready() is read before any trainer's start() is called (vLLM
+    sizes its KV cache from the device's memory change while it starts); without it both are asked at once."""
+    from vime_core.rpc import wait_ready
+
+    events: list[str] = []
+
+    class Call:
+        def __init__(self, name):
+            self.name = name
+
+        def remote(self):  # a ref: any hashable object
+            events.append(f"call {self.name}")
+            return type("Ref", (), {"name": self.name})()
+
+    def get(ref):
+        events.append(f"got {ref.name}")
+
+    monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(get=get))
+    trainers = [SimpleNamespace(start=Call(f"trainer {i}")) for i in range(2)]
+    engines = [SimpleNamespace(ready=Call(f"engine {i}")) for i in range(2)]
+    wait_ready(trainers, engines, None, engines_first=True, before_trainers=lambda: events.append("engines sleep"))
+    last_engine = max(events.index(f"got engine {i}") for i in range(2))
+    # sleeping engines go to sleep between their start and the trainers' (Qwen3-8B: the trainer's build needs it)
+    assert last_engine < events.index("engines sleep") < min(events.index(f"call trainer {i}") for i in range(2))
+    events.clear()
+    wait_ready(trainers, engines, None, before_trainers=lambda: events.append("engines sleep"))
+    assert max(events.index(f"call trainer {i}") for i in range(2)) < events.index("got engine 0"), events
+    assert "engines sleep" not in events  # apart (not colocated), nothing waits and nothing sleeps

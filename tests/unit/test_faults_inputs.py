@@ -1,28 +1,16 @@
 """Bad input fails in `prepare`, in seconds and before any actor, with one message that names the file or field
-and the fix; the CLIs print project errors as one line and exit 2 (a traceback only with --debug)."""
+and the fix. The CLIs printing it as one line with exit 2: tests/integration/test_faults_inputs.py."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.tiny import REPO, tiny_config
+from tests.helpers.tiny import tiny_config
 from vime_core.errors import VimeError
-
-VIME = Path(sys.executable).parent / "vime"
-
-
-@pytest.fixture
-def model_copy(tmp_path, dense_model_dir) -> Path:
-    dst = tmp_path / "model"
-    shutil.copytree(dense_model_dir, dst)
-    return dst
 
 
 def prepare_error(cfg, model_dir=None) -> VimeError:
@@ -137,76 +125,3 @@ def test_eval_dataset_errors_name_the_eval_set(tmp_path):
     bad.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": 3\n')
     e = prepare_error(tiny_config(tmp_path, f'eval.datasets=[{{"name": "heldout-x", "source": "{bad}"}}]'))
     assert str(e).startswith("eval dataset 'heldout-x' (eval.datasets") and f"{bad}:2" in str(e)
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# the CLIs: one line, exit 2; --debug shows the traceback
-# --------------------------------------------------------------------------------------------------------------------
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(a) for a in args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-        env={**os.environ, "VIME_DEBUG": ""},
-    )
-
-
-def test_vime_train_user_errors_are_one_line_and_exit_2(tmp_path, model_copy):
-    w = model_copy / "model.safetensors"
-    w.write_bytes(w.read_bytes()[:1000])
-    args = (
-        VIME,
-        "train",
-        "-c",
-        REPO / "configs/tiny-cpu.yaml",
-        "--set",
-        f"output_dir={tmp_path / 'out'}",
-        "--set",
-        f"model.source={model_copy}",
-        "--set",
-        "tracking.enabled=false",
-    )
-    r = run_cli(*args, cwd=tmp_path)
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert lines[0].startswith("WeightsFileError: ") and str(w) in lines[0] and "--debug" in lines[0]
-    r = run_cli(*args, "--debug", cwd=tmp_path)
-    assert r.returncode == 1 and "Traceback" in r.stderr and "WeightsFileError" in r.stderr
-
-
-def test_vime_pipeline_user_errors_are_one_line_and_exit_2(tmp_path):
-    r = run_cli(
-        Path(sys.executable).parent / "vime-pipeline",
-        "-c",
-        REPO / "configs/tiny-cpu.yaml",
-        "--set",
-        "rollout.temperature=-1",
-        "--set",
-        "train.nonsense=1",
-        cwd=tmp_path,
-    )
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert "rollout.temperature" in lines[0] and "train.nonsense: unknown key" in lines[0]
-
-
-@pytest.mark.e2e
-def test_a_reward_that_raises_is_one_line_naming_it_and_exit_2(tmp_path):
-    """User code failing mid-run (after the engines generated): the function, the prompt and the exception in one
-    line, exit 2, no traceback (that is under --debug)."""
-    r = subprocess.run(
-        [str(VIME), "train", "-c", str(REPO / "configs/tiny-cpu.yaml")]
-        + ["--set", f"output_dir={tmp_path / 'out'}", "--set", "tracking.enabled=false", "--set", "eval.datasets=[]"]
-        + ["--set", "rollout.reward=tests.helpers.custom_rewards:raises_on_long"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=600,
-        env={**os.environ, "VIME_DEBUG": "", "PYTHONPATH": str(REPO)},
-    )
-    errors = [line for line in r.stderr.splitlines() if line.startswith("RewardCallError: ")]
-    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
-    assert "reward function tests.helpers.custom_rewards:raises_on_long raised KeyError: " in errors[0]
-    assert "on the sample of prompt " in errors[0] and "fix the function" in errors[0]

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers.tiny import tiny_config
 from vime_core.errors import VimeError
 from vime_core.memory import HostOffload, MemoryBudgetError, PhasePeaks, offload_enabled, train_step_memory
 
@@ -122,3 +123,19 @@ def test_the_offload_after_a_step_reports_into_that_step():
     assert TrainerGroup.offload_optimizer(off) == {}
     off.call_all = lambda name: pytest.fail("asked again after the ranks said offload is off")
     assert TrainerGroup.offload_optimizer(off) == {}
+
+
+@pytest.mark.parametrize("sleep", [True, False])
+def test_colocated_engines_sleep_unless_cluster_engines_sleep_is_false(tmp_path, sleep):
+    """cluster.engines_sleep=false: no vLLM sleep mode and no optimizer offload, but the engines still start first
+    (their KV sizing must not see the trainers' allocations either way)."""
+    from vime_core.cluster import Placement, engine_specs
+    from vime_core.memory import offload_enabled
+
+    cfg = tiny_config(tmp_path, "cluster.colocate=true", "train.num_devices=1", f"cluster.engines_sleep={sleep}")
+    p = Placement(None, [0], [[0]], True, True, ["0"], cfg.cluster.engines_sleep)
+    assert p.colocated_gpu and p.engines_sleep is sleep
+    assert engine_specs(cfg, p, "cuda", "/m")[0][0].sleep_mode is sleep
+    assert offload_enabled(cfg.train.offload_optimizer, cfg.cluster.sleeping_engines, "cuda") is sleep
+    cpu = Placement(None, [0], [[0]], False, True, [""], True)
+    assert not cpu.colocated_gpu and not cpu.engines_sleep

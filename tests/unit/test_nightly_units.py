@@ -1,90 +1,22 @@
-"""Pieces of the nightly pipeline that need no engines: the output-dir lock (with a real second process), what
-start_fresh moves aside, which errors Prefect retries, and the log helpers."""
+"""Pieces of the nightly pipeline that need no engines: what start_fresh moves aside, which errors Prefect retries,
+the log helpers, the serve deployment and the schedule (the output-dir lock against a real second process:
+tests/integration/test_nightly_units.py)."""
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
-import os
-import subprocess
-import sys
-import textwrap
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from prefect.states import Failed
+
+from tasks.common import is_transient
 
 from tests.helpers.tiny import REPO, tiny_config
-
-HOLD = textwrap.dedent("""
-    import sys, time
-    from vime_core.runlock import output_dir_lock
-    with output_dir_lock(sys.argv[1], "flow-run-1234"):
-        print("held", flush=True)
-        time.sleep(120)
-""")
-
-
-@pytest.fixture
-def held_dir(tmp_path):
-    """`tmp_path/run` held by another process, as a running flow would hold it."""
-    out = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(out)],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert proc.stdout.readline().strip() == "held"
-    yield out, proc
-    proc.kill()
-    proc.wait()
-
-
-def test_a_second_run_on_a_held_output_dir_is_refused_naming_the_holder(held_dir):
-    from vime_core.runlock import RunLockedError, output_dir_lock
-
-    out, proc = held_dir
-    with pytest.raises(RunLockedError) as e:
-        with output_dir_lock(out):
-            pass
-    msg = str(e.value)
-    assert f"pid {proc.pid} on " in msg and "flow run flow-run-1234" in msg and str(out) in msg
-    assert "\n" not in msg
-
-
-def test_the_lock_is_reentrant_in_a_process_and_freed_when_its_holder_dies(held_dir):
-    from vime_core.runlock import HOLDER_FILE, output_dir_lock
-
-    out, proc = held_dir
-    proc.kill()
-    proc.wait()
-    with output_dir_lock(out, "mine"):
-        with output_dir_lock(out):  # the loop inside the flow takes it again
-            assert '"flow_run": "mine"' in (out / HOLDER_FILE).read_text()
-        assert (out / HOLDER_FILE).exists(), "the inner block must not release the outer one"
-    assert not (out / HOLDER_FILE).exists()
-
-
-def test_vime_train_on_a_held_output_dir_exits_2_with_one_line(held_dir):
-    out, proc = held_dir
-    r = subprocess.run(
-        [
-            str(REPO / ".venv" / "bin" / "vime"),
-            "train",
-            "--config",
-            "configs/tiny-cpu.yaml",
-            "--set",
-            f"output_dir={out}",
-            "--set",
-            "tracking.enabled=false",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
-    lines = [line for line in r.stderr.splitlines() if "RunLockedError" in line]
-    assert len(lines) == 1 and f"pid {proc.pid}" in lines[0] and "flow-run-1234" in lines[0], r.stderr[-2000:]
+from vime_core.errors import TransientError
 
 
 def test_start_fresh_moves_export_metrics_and_ledger_aside_with_the_checkpoints(tmp_path):
@@ -166,7 +98,7 @@ def test_the_serve_deployment_cannot_take_over_the_yaml_one(capsys):
 
 def test_two_flow_runs_whose_ids_share_a_prefix_get_two_dirs_and_run_names(tmp_path):
     """Two ids as Prefect's scheduler made them in one batch (time-ordered, the first 8 characters alike): the
-    e2e test (tests/test_pipeline_e2e.py, second night) runs two such nights through the scheduler."""
+    e2e test (tests/e2e/test_pipeline_e2e.py, second night) runs two such nights through the scheduler."""
     from datetime import datetime, timezone
 
     from tasks.nightly import candidate_config, run_label
@@ -197,3 +129,123 @@ def test_the_schedule_promotes_and_ad_hoc_runs_of_the_deployment_do_not():
     (dep,) = yaml.safe_load((REPO / "infra" / "prefect.yaml").read_text())["deployments"]
     assert dep["parameters"]["promote"] is False  # `prefect deployment run` without --param promote=true
     assert [s["parameters"]["promote"] for s in dep["schedules"]] == [True]
+
+
+# ---- transient vs user vs bug -------------------------------------------------------------------------------------
+def retried(exc: BaseException) -> bool:
+    return is_transient(None, None, Failed(data=exc))
+
+
+def test_transient_service_errors_are_retried_and_user_errors_not():
+    from vime_core.sources import HubUnavailableError, SourceError
+    from vime_core.tracking import TrackingError, TrackingUnreachableError
+
+    assert retried(TransientError("hub down"))
+    assert retried(HubUnavailableError("503")) and isinstance(HubUnavailableError("x"), SourceError)
+    assert retried(TrackingUnreachableError("down")) and isinstance(TrackingUnreachableError("x"), TrackingError)
+    assert not retried(SourceError("bad name"))
+    assert not retried(TrackingError("deleted run"))
+
+
+def hub_http_error(status: int):
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return HfHubHTTPError(f"HTTP {status}", response=SimpleNamespace(headers={}, request=None, status_code=status))
+
+
+@pytest.mark.parametrize(
+    "make, offline, transient",
+    [
+        (lambda: hub_http_error(503), False, True),
+        (lambda: hub_http_error(429), False, True),
+        (lambda: hub_http_error(404), False, False),
+        ("local-entry", False, True),  # online, and the hub did not answer
+        ("local-entry", True, False),  # offline on purpose: the cache is all there is
+    ],
+)
+def test_hub_failures_are_transient_only_when_a_retry_can_help(monkeypatch, make, offline, transient):
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from vime_core.sources import SourceError, resolve_model
+
+    exc = LocalEntryNotFoundError("not cached") if make == "local-entry" else make()
+
+    def fail(**kw):
+        raise exc
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fail)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    with pytest.raises(SourceError) as e:
+        resolve_model("hf://org/model")
+    assert isinstance(e.value, TransientError) is transient
+    assert retried(e.value) is transient
+
+
+def test_an_unreachable_tracking_store_is_transient(tmp_path):
+    from vime_core.tracking import TrackingUnreachableError, check_reachable
+
+    with pytest.raises(TrackingUnreachableError) as e:
+        check_reachable("http://127.0.0.1:9")  # port 9 (discard): nothing listens
+    assert retried(e.value)
+
+
+# ---- the flow body starts the watchdog ----------------------------------------------------------------------------
+def test_the_flow_body_starts_the_watchdog_first(monkeypatch):
+    import vime_core.orphans as orphans
+    from flows.grpo_pipeline import grpo_pipeline
+
+    class Started(Exception):
+        pass
+
+    def start():
+        raise Started
+
+    monkeypatch.setattr(orphans, "start_watchdog", start)
+    with pytest.raises(Started):
+        grpo_pipeline.fn("no-such-config.yaml")  # before the config is read: a worker never runs main()
+
+
+# ---- the run lock is always released --------------------------------------------------------------------------------
+def test_the_lock_is_released_when_the_holder_file_cannot_be_written(tmp_path):
+    from vime_core.runlock import HOLDER_FILE, output_dir_lock
+
+    (tmp_path / HOLDER_FILE).mkdir()  # writing the holder file fails (IsADirectoryError)
+    with pytest.raises(IsADirectoryError):
+        with output_dir_lock(tmp_path):
+            pass
+    (tmp_path / HOLDER_FILE).rmdir()
+    with output_dir_lock(tmp_path):  # an unreleased OS lock would refuse this (flock is per open file)
+        assert (tmp_path / HOLDER_FILE).is_file()
+
+
+def test_the_lock_is_released_when_the_holder_file_cannot_be_removed(tmp_path, monkeypatch):
+    from vime_core.runlock import HOLDER_FILE, output_dir_lock
+
+    real_unlink = Path.unlink
+
+    def unlink(self, missing_ok=False):
+        if self.name == HOLDER_FILE:
+            raise PermissionError(errno.EACCES, "denied", str(self))
+        return real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    with pytest.raises(PermissionError):
+        with output_dir_lock(tmp_path):
+            pass
+    monkeypatch.setattr(Path, "unlink", real_unlink)
+    with output_dir_lock(tmp_path):
+        pass
+
+
+# ---- nightly candidate ----------------------------------------------------------------------------------------------
+def test_a_nightly_candidate_always_resumes_and_its_choice_is_written_whole(tmp_path):
+    from tasks.nightly import CANDIDATE_FILE, NIGHT_CONFIG, candidate_config
+
+    cfg = tiny_config(tmp_path, "tracking.enabled=false", "checkpoint.resume=false")
+    cand = candidate_config(cfg, "0123456789abcdef", None)
+    assert cand.checkpoint.resume is True and cand.checkpoint.start_fresh is False
+    files = [p.name for p in cand.output_dir.iterdir()]
+    assert sorted(files) == sorted([CANDIDATE_FILE, NIGHT_CONFIG]), files  # no temporary left behind
+    assert json.loads((cand.output_dir / CANDIDATE_FILE).read_text())["model_source"] == cfg.model.source

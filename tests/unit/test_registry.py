@@ -214,3 +214,50 @@ def test_mlflow_links_open_the_model_training_view():
     assert run_url("sqlite:////tmp/runs/mlflow.db", "1", "r").startswith(
         "http://127.0.0.1:5000/#/experiments/1/runs/r?"
     )
+
+
+# ---- registry: only "not found" is "no champion" ----------------------------------------------------------------
+def test_a_missing_model_or_alias_on_sqlite_is_no_champion(store):
+    from mlflow.tracking import MlflowClient
+
+    from vime_core.tracking import alias_version
+
+    assert alias_version(store, "never-registered") is None
+    MlflowClient(tracking_uri=store, registry_uri=store).create_registered_model("registered-no-alias")
+    assert alias_version(store, "registered-no-alias") is None
+
+
+def test_any_other_registry_error_is_raised_not_read_as_no_champion(store, monkeypatch):
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    import vime_core.tracking as tracking
+
+    class Broken(MlflowClient):
+        def get_model_version_by_alias(self, name, alias):
+            raise MlflowException("database is locked", error_code="INTERNAL_ERROR")
+
+    monkeypatch.setattr(tracking, "mlflow_client", lambda uri: Broken(tracking_uri=uri, registry_uri=uri))
+    with pytest.raises(MlflowException, match="database is locked"):
+        tracking.alias_version(store, "any")
+    with pytest.raises(MlflowException, match="database is locked"):
+        tracking.register_model(store, "broken-store", "run", "model", "eval/x/pass@1", 0.5)
+    assert not MlflowClient(tracking_uri=store, registry_uri=store).search_model_versions("name = 'broken-store'"), (
+        "no version is created when the champion could not be read"
+    )
+
+
+def test_a_retried_registration_reuses_the_version_of_the_same_weights(store, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from vime_core.tracking import MlflowRun, register_model
+
+    run = MlflowRun(store, "review-fixes", run_name="r", artifact_root=tmp_path / "artifacts")
+    args = (store, "vime-retry", run.run_id, "model/x", "eval/x/pass@1", 0.5)
+    first = register_model(*args, tags={"vime.weights_sha256": "aa"}, reuse_tag="vime.weights_sha256")
+    again = register_model(*args, tags={"vime.weights_sha256": "aa"}, reuse_tag="vime.weights_sha256")
+    other = register_model(*args, tags={"vime.weights_sha256": "bb"}, reuse_tag="vime.weights_sha256")
+    assert first["version"] == again["version"] == 1 and again["promoted"], again
+    assert other["version"] == 2
+    versions = MlflowClient(tracking_uri=store, registry_uri=store).search_model_versions("name = 'vime-retry'")
+    assert sorted(int(v.version) for v in versions) == [1, 2]

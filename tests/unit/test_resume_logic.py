@@ -108,3 +108,19 @@ def test_pipeline_start_fresh_happens_once_so_a_retried_train_task_resumes(tmp_p
     fake_checkpoint(cfg, 1)  # ... writes a checkpoint, then crashes
     latest, state = resume_point(cfg)  # the retry
     assert latest == cfg.save_dir / iter_name(1) and state["rollout_id"] == 1
+
+
+# ---- resume = false beside checkpoints ------------------------------------------------------------------------------
+def test_resume_false_beside_old_checkpoints_is_refused(tmp_path):
+    from vime_core.cli import resume_state
+    from vime_core.loop import resume_point
+
+    cfg = tiny_config(tmp_path, "checkpoint.resume=false")
+    fake_checkpoint(cfg, 4)
+    for call in (resume_point, resume_state):
+        with pytest.raises(ResumeError) as e:
+            call(cfg)
+        assert f"checkpoint.resume = false but {cfg.save_dir} holds checkpoints up to {iter_name(4)}" in str(
+            e.value
+        ) and "checkpoint.start_fresh=true" in str(e.value)
+    assert resume_point(tiny_config(tmp_path / "empty", "checkpoint.resume=false")) == (None, None)

