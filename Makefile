@@ -1,5 +1,7 @@
-# The two commands of the README. Both install first (idempotent).
-.PHONY: install run test test-fast
+# The two commands of the README, and the test tiers on their own. All install first (idempotent).
+# `make test` runs every tier in order, unit -> integration -> e2e (tests/conftest.py sorts them), so a broken build
+# fails in the first seconds; each run writes every test's seconds, per tier and slowest first, to test-durations.txt.
+.PHONY: install run test test-unit test-integration test-fast
 
 install:
 	./scripts/install.sh
@@ -12,5 +14,11 @@ test: install
 	.venv/bin/ruff format --check .
 	.venv/bin/python -m pytest -v --durations=25
 
+test-unit: install
+	.venv/bin/python -m pytest -v tests/unit
+
+test-integration: install
+	.venv/bin/python -m pytest -v tests/integration
+
 test-fast: install
-	.venv/bin/python -m pytest -v -m "not e2e"
+	.venv/bin/python -m pytest -v tests/unit tests/integration

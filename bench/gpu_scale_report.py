@@ -1,6 +1,6 @@
 """The pure part of bench/gpu_scale.py: the Qwen3 shape table, FLOP/MFU math, medians, micro-batch packing, and the
 summary (medians, ratios, the issue's Done-when checks) of the phase records merged into one result document.
-No torch, no vime_core: tests/test_bench_gpu_scale.py loads it alone."""
+No torch, no vime_core: tests/unit/test_bench_gpu_scale.py loads it alone."""
 
 from __future__ import annotations
 

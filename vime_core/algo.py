@@ -2,7 +2,7 @@
 
 Shapes: token-level tensors are 1-D over the concatenated response tokens of a micro-batch, with `sample_ids`
 (same length) saying which sample each token belongs to; `num_samples` is the number of samples in it. That keeps
-every function free of padding. Every function has hand-computed unit tests (tests/test_algo.py).
+every function free of padding. Every function has hand-computed unit tests (tests/unit/test_algo.py).
 """
 
 from __future__ import annotations

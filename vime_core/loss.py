@@ -1,6 +1,6 @@
 """The GRPO loss of one micro-batch as a pure function, and the step arithmetic around it (loss scale under data
 parallelism, denominators, the LR schedule, the finiteness guard). The trainer (trainer/step.py) calls these; tests run
-every option through them on CPU (tests/test_loss.py).
+every option through them on CPU (tests/unit/test_loss.py).
 
 Conventions (see algo.py): token tensors are 1-D over the concatenated response tokens of a micro-batch, with
 `sample_ids` saying which sample each token belongs to. The loss of a micro-batch is its *share* of the optimizer

@@ -1,5 +1,5 @@
 """A flow that does only what grpo_pipeline does first in nightly mode: choose tonight's candidate (the champion
-lookup in its retried task). tests/test_tracking_outage.py runs it while the MLflow server is down.
+lookup in its retried task). tests/integration/test_tracking_outage.py runs it while the MLflow server is down.
 
     python -m tests.helpers.champion_lookup <output_dir> <tracking uri> <tracking.outage_s>
 """

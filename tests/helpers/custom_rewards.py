@@ -1,4 +1,5 @@
-"""Custom reward functions for tests/test_rewards.py, referred to by dotted path `tests.helpers.custom_rewards:...`."""
+"""Custom reward functions for tests/unit/test_rewards.py, referred to by dotted path
+`tests.helpers.custom_rewards:...`."""
 
 from __future__ import annotations
 

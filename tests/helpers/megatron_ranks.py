@@ -1,5 +1,6 @@
-"""Megatron rank workers for tests/test_conversion.py. They live in an importable module so that torch.multiprocessing's
-spawn can start them; each rank is a fresh gloo process set up by `vime_core.checkpoint.init_rank`."""
+"""Megatron rank workers for tests/integration/test_conversion.py. They live in an importable module so that
+torch.multiprocessing's spawn can start them; each rank is a fresh gloo process set up by
+`vime_core.checkpoint.init_rank`."""
 
 from __future__ import annotations
 

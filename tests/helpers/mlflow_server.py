@@ -1,4 +1,5 @@
-"""A real `mlflow server` on 127.0.0.1 for tests that stop and restart it (tests/test_tracking_outage.py)."""
+"""A real `mlflow server` on 127.0.0.1 for tests that stop and restart it
+(tests/integration/test_tracking_outage.py)."""
 
 from __future__ import annotations
 

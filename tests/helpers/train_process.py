@@ -1,5 +1,6 @@
-"""`vime train` as a separate process group for the crash tests (tests/test_crash_recovery.py,
-tests/test_async_e2e.py): start it on the tiny config, wait for a condition, SIGKILL the group, read what it left."""
+"""`vime train` as a separate process group for the crash tests (tests/e2e/test_crash_recovery.py,
+tests/e2e/test_async_e2e.py): start it on the tiny config, wait for a condition, SIGKILL the group, read what it
+left."""
 
 from __future__ import annotations
 

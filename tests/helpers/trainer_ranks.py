@@ -1,5 +1,5 @@
-"""Trainer ranks in spawned gloo processes, for tests/test_loss.py: the real `Trainer` (megatron-core GPTModel of the
-builtin tiny model, torch AdamW) on CPU without Ray, and megatron's DistributedDataParallel on its own.
+"""Trainer ranks in spawned gloo processes, for tests/integration/test_loss.py: the real `Trainer` (megatron-core
+GPTModel of the builtin tiny model, torch AdamW) on CPU without Ray, and megatron's DistributedDataParallel on its own.
 
 Functions here run as `fn(rank, world, port, *args)` in `world` fresh processes (see `spawn`) and return plain
 objects (floats, lists), never tensors.
@@ -217,8 +217,8 @@ def static_memory(rank: int, world: int, port: int, model_dir: str, overrides: l
 
 
 def optimizer_run(rank: int, world: int, port: int, model_dir: str, overrides: list[str], rollouts: int) -> dict:
-    """The real Trainer on this machine's GPU (tests/test_optimizer_offload.py): `rollouts` training steps on fixed
-    synthetic samples, each followed by the between-phase offload and onload the loop does; returns the weights
+    """The real Trainer on this machine's GPU (tests/integration/test_optimizer_offload.py): `rollouts` training steps
+    on fixed synthetic samples, each followed by the between-phase offload and onload the loop does; returns the weights
     (flattened, as a list), the Adam moments' totals and the per-step grad norms."""
     import torch
 
@@ -254,9 +254,10 @@ def optimizer_run(rank: int, world: int, port: int, model_dir: str, overrides: l
 def optimizer_resume(
     rank: int, world: int, port: int, model_dir: str, overrides: list[str], ckpt: str, before: int, after: int
 ) -> dict:
-    """The real Trainer on this machine's GPU (tests/test_optimizer_offload.py): `before` steps then a checkpoint
-    into `ckpt` when `before` > 0; with `before` = 0, a fresh trainer that loads `ckpt` first. Then `after` more
-    steps; returns the weights and the optimizer's fp32 masters and moments (flattened lists) and the grad norms."""
+    """The real Trainer on this machine's GPU (tests/integration/test_optimizer_offload.py): `before` steps then a
+    checkpoint into `ckpt` when `before` > 0; with `before` = 0, a fresh trainer that loads `ckpt` first. Then `after`
+    more steps; returns the weights and the optimizer's fp32 masters and moments (flattened lists) and the grad
+    norms."""
     import torch
 
     from vime_core.config import load_config

@@ -1,7 +1,7 @@
 """Which settings a resume must keep, tagged on each field, and the fingerprint derived from the tags.
 
-Every field of every section carries `FIXED` or `FREE` in its `Annotated[...]` (tests/test_fingerprint.py fails on a
-field with neither). FIXED: changing it changes the training math, what is generated and rewarded, or the data order,
+Every field of every section carries `FIXED` or `FREE` in its `Annotated[...]` (tests/unit/test_fingerprint.py fails on
+a field with neither). FIXED: changing it changes the training math, what is generated and rewarded, or the data order,
 so a resume with a new value would not continue the run (model, layout, algorithm, sampling, rewards, seed). FREE:
 sizes of the run (num_rollout), timeouts, placement and memory knobs that leave the math alone, eval, checkpoint,
 tracking and output settings. A checkpoint records the fixed values (`fingerprint_fields`) and a resume compares them

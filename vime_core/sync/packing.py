@@ -1,6 +1,6 @@
 """Bucket packing, pure torch (no engine, no process group): HF-named tensors are copied into one contiguous uint8
 buffer per bucket, described by a layout that the engine side turns back into views. Tested on CPU
-(tests/test_sync_units.py); the GPU transports move the same buffers."""
+(tests/unit/test_sync_units.py); the GPU transports move the same buffers."""
 
 from __future__ import annotations
 

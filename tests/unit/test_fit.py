@@ -1,0 +1,86 @@
+"""The memory fit check (vime_core.fit): the refusal of runs that cannot fit (Qwen3-8B on one H200 without the
+host-side optimizer) before any actor starts. Its arithmetic against a real trainer's tensors, in spawned ranks:
+tests/integration/test_fit.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from vime_core.config import ConfigError, load_config
+from vime_core.fit import GIB, MemoryFitError, check_memory_fit, memory_plan
+from vime_core.models import arch_from_hf_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_8B = str(REPO / "configs" / "qwen3-8b-cuda-1gpu.yaml")
+H200 = 150_754_820_096  # torch's total_memory of an H200 (140.4 GiB)
+HOST = 128 * GIB
+
+
+def qwen3_8b():
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_scale_report import hf_config  # the public config.json values of Qwen/Qwen3-8B
+
+    return arch_from_hf_config(hf_config("8b"))
+
+
+def config_8b(*sets: str):
+    return load_config(CONFIG_8B, ["model.source=/tmp/qwen3-8b", *sets])
+
+
+def test_qwen3_8b_parameter_count_is_the_published_one():
+    plan = memory_plan(config_8b(), qwen3_8b(), H200, "cuda")
+    assert plan.params == pytest.approx(8.19e9, rel=2e-3)  # ENVIRONMENT.md: a random Qwen3-8B holds 8.19B
+
+
+def test_the_shipped_8b_config_fits_one_h200_and_its_host():
+    plan = check_memory_fit(config_8b(), qwen3_8b(), "cuda", H200, HOST)
+    assert plan.train < H200 and plan.rollout < H200
+    # 16 bytes x 0.6 x 8.19B = 73.2 GiB of optimizer state, plus the 15.3 GiB staging copy of a checkpoint save
+    assert plan.host == pytest.approx((16 * 0.6 + 2) * 8.19e9, rel=0.01)
+    assert plan.gib("optimizer_gpu") == pytest.approx(0.4 * 12 * 8.19e9 / GIB, rel=0.01)
+
+
+def test_the_8b_run_ray_killed_while_saving_is_refused_for_host_memory():
+    # the first GPU run of the shipped shape at 75% offload: Ray's memory monitor killed the trainer at 114 GB of a
+    # 125.8 GiB host during its checkpoint save (optimizer state 91.5 GiB + the weights' staging copy 15.3 GiB)
+    cfg = config_8b("train.optimizer_offload_fraction=0.75", "rollout.gpu_memory_utilization=0.6")
+    with pytest.raises(MemoryFitError, match="staging copy") as e:
+        check_memory_fit(cfg, qwen3_8b(), "cuda", H200, 125.8 * GIB)
+    assert "engine_sleep_level" not in str(e.value)  # already 2: not a knob left to name
+
+
+def test_8b_without_offload_is_refused_naming_the_numbers_and_the_knob():
+    cfg = config_8b("train.optimizer_cpu_offload=false", "checkpoint.save_optimizer=true")
+    with pytest.raises(MemoryFitError) as e:
+        check_memory_fit(cfg, qwen3_8b(), "cuda", H200, HOST)
+    msg = str(e.value)
+    assert "\n" not in msg and "train.optimizer_cpu_offload = true" in msg and "140.4 GiB" in msg
+    assert "optimizer state 91.5" in msg
+
+
+def test_host_memory_binds_at_full_offload_and_names_the_fraction():
+    cfg = config_8b("train.optimizer_offload_fraction=1.0")
+    with pytest.raises(MemoryFitError, match="train.optimizer_offload_fraction"):
+        check_memory_fit(cfg, qwen3_8b(), "cuda", H200, HOST)
+    check_memory_fit(cfg, qwen3_8b(), "cuda", H200, 256 * GIB)  # the same run on a larger host fits
+
+
+def test_vllm_share_and_resident_trainer_must_fit_while_generating():
+    cfg = config_8b("rollout.gpu_memory_utilization=0.9")
+    with pytest.raises(MemoryFitError, match="rollout.gpu_memory_utilization"):
+        check_memory_fit(cfg, qwen3_8b(), "cuda", H200, HOST)
+
+
+def test_sleep_level_one_keeps_the_engine_weights_on_the_host():
+    one = memory_plan(config_8b("cluster.engine_sleep_level=1"), qwen3_8b(), H200, "cuda")
+    two = memory_plan(config_8b(), qwen3_8b(), H200, "cuda")
+    assert one.host - two.host == pytest.approx(2 * 8.19e9, rel=0.01)
+
+
+def test_host_offload_needs_a_gpu_and_checkpoints_its_optimizer():
+    with pytest.raises(ConfigError, match="train.optimizer_cpu_offload"):
+        config_8b("cluster.platform=cpu")
+    assert config_8b("checkpoint.save_optimizer=true").checkpoint.save_optimizer  # its state saves (GPU test)
