@@ -55,12 +55,7 @@ def test_host_offloaded_optimizer_resumes_bit_exactly(fraction, dense_model_dir,
     process that loads it, against 4 steps straight: every weight, fp32 master and moment equal."""
     from tests.helpers.trainer_ranks import spawn
 
-    sets = [
-        *COMMON,
-        "checkpoint.save_optimizer=true",
-        "train.optimizer_cpu_offload=true",
-        f"train.optimizer_offload_fraction={fraction}",
-    ]
+    sets = [*COMMON, "train.optimizer_cpu_offload=true", f"train.optimizer_offload_fraction={fraction}"]
     straight = spawn("optimizer_resume", 1, str(dense_model_dir), sets, str(tmp_path / "unused"), 4, 0)[0]
     ckpt = str(tmp_path / "ckpt")
     first = spawn("optimizer_resume", 1, str(dense_model_dir), sets, ckpt, 2, 0)[0]

@@ -163,6 +163,13 @@ class MegatronOptimizer(OptimizerAdapter):
                     for i, e in enumerate(shards)
                 }
             )
+            # without Transformer Engine or Apex, megatron's load_state_dict gives every parameter's state one
+            # shared `step` tensor, and torch's Adam increments its own in place: the host half (one optimizer per
+            # parameter) then counts a step once per parameter. The first GPU resume test differed from the
+            # second resumed step on; each state gets its own copy.
+            for st in part.optimizer.state.values():
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].clone()
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
