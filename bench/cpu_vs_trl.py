@@ -6,12 +6,14 @@ Runs, `--repeats` times each, one after another on this box:
 - `trl`:   TRL's `GRPOTrainer` (plain `generate`), in its own venv (made by this script on first use:
            /tmp/vime-trl-venv, `pip install trl==1.16.* transformers accelerate math-verify` beside the local
            torch 2.13.0+cpu; `--trl-venv` to choose another), a fresh process per repeat;
-- `sync`:  `vime train --config configs/tiny-cpu.yaml --set rollout.num_rollout=STEPS` (the command as a user runs
-           it: MLflow tracking, baseline and final evaluation, the checkpoint at the end), rollout.max_staleness=0;
-- `async`: the same with rollout.max_staleness=1 (recorded as failed, not fatal, when this tree cannot run it).
+- `sync`:  the command users run, `vime train --config configs/tiny-cpu.yaml --set rollout.num_rollout=STEPS --set
+           eval.datasets=[]`, as it is: from a fresh directory holding configs/tiny-cpu.yaml (so runs/tiny-cpu and the
+           MLflow store runs/mlflow.db are new), no --metrics-out, tracking on (MLflow, the default), the checkpoint
+           at the end (checkpoint.save_interval 10), rollout.max_staleness 0;
+- `async`: the same with `--set rollout.max_staleness=1` (recorded as failed, not fatal, when this tree cannot run it).
 
-Prints per-step medians (rollout / train / sync / step) and the whole-command wall time of each, and the ratios
-ours/TRL and async/sync; writes every raw figure to bench/results/cpu-vs-trl.json. Tests never assert on time.
+Prints per-step medians (rollout / train / sync / step / interval) and the whole-command wall time of each, and the
+ratios ours/TRL and async/sync; writes every raw figure to bench/results/cpu-vs-trl.json. Tests never assert on time.
 
 Parameter mapping (ours -> TRL 1.16 `GRPOConfig`):
 
@@ -29,11 +31,13 @@ Parameter mapping (ours -> TRL 1.16 `GRPOConfig`):
 | lr 1e-4 constant, weight_decay 0, clip_grad 1.0   | `learning_rate=1e-4`, `lr_scheduler_type="constant"`, `weight_decay=0.0`, `max_grad_norm=1.0` |
 | adam_beta2 0.98, adam_eps 1e-8                    | `adam_beta2=0.98`, `adam_epsilon=1e-8`                      |
 | no activation recompute                           | `gradient_checkpointing=False`                              |
-| MLflow, eval before/after, checkpoint at the end  | `report_to="none"`, no eval, `save_strategy="no"` (TRL does less: ours pays for them) |
+| MLflow on, no eval, checkpoint at the end         | `report_to="none"`, `save_strategy="no"` (TRL does less: ours pays for them) |
 
-Per-step figures: ours from `--metrics-out` (`perf/rollout_time`, `perf/train_time`, `perf/update_weights_time`,
-`perf/step_time`); TRL's round of 2 optimizer steps is one step: rollout = its `_generate_and_score_completions`
-call, step = from the first optimizer step's begin to the second one's end, train = step - rollout, no sync.
+Per-step figures: ours from the run's MLflow store (`perf/rollout_time`, `perf/train_time`, `perf/update_weights_time`,
+`perf/step_time`; `interval` = the time between two steps' MLflow rows, i.e. all a step costs the command: logging,
+the progress line and saves too); TRL's round of 2 optimizer steps is one step: rollout = its
+`_generate_and_score_completions` call, step = from the first optimizer step's begin to the second one's end, train =
+step - rollout, no sync, interval = one round's end to the next one's.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 TRL_PINS = ["trl==1.16.*", "transformers>=5.16,<5.20", "accelerate", "math-verify==0.9.0", "torch==2.13.0"]
 KINDS = ("trl", "sync", "async")
+FIGURES = ("step", "rollout", "train", "sync", "interval")  # per-step figures; each run's median, then the median
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -204,6 +209,7 @@ def trl_worker(task_path: str, out_path: str) -> None:
                 "rollout": gen_times[: len(step)],
                 "train": [s - g for s, g in zip(step, gen_times)],
                 "sync": [0.0] * len(step),
+                "interval": [b - a for a, b in zip(ends, ends[1:])],  # one round's end to the next one's
                 "reward": rewards,
             }
         )
@@ -234,47 +240,62 @@ def run_trl(py: Path, task_path: Path, work: Path) -> dict:
     return {"status": "ok", "wall_s": wall, **json.loads(out.read_text())}
 
 
+VIME_COMMAND = [
+    "train",
+    "--config",
+    "configs/tiny-cpu.yaml",
+    "--set",
+    "rollout.num_rollout={steps}",
+    "--set",
+    "eval.datasets=[]",
+]
+
+
 def run_ours(staleness: int, steps: int, work: Path) -> dict:
-    metrics = work / "metrics.jsonl"
-    cmd = [
-        str(REPO / ".venv" / "bin" / "vime"),
-        "train",
-        "--config",
-        "configs/tiny-cpu.yaml",
-        "--set",
-        f"rollout.num_rollout={steps}",
-        "--set",
-        f"output_dir={work / 'run'}",
-        "--metrics-out",
-        str(metrics),
-    ]
+    """The command users run, from a fresh directory holding configs/tiny-cpu.yaml (so `output_dir` runs/tiny-cpu
+    and the MLflow store runs/mlflow.db are fresh, as on a first run): no --metrics-out, tracking as configured
+    (MLflow on). Per-step figures come from the MLflow store it wrote."""
+    (work / "configs").mkdir(parents=True)
+    (work / "configs" / "tiny-cpu.yaml").write_text((REPO / "configs" / "tiny-cpu.yaml").read_text())
+    cmd = [str(Path(sys.executable).parent / "vime"), *(a.format(steps=steps) for a in VIME_COMMAND)]
     if staleness:
         cmd += ["--set", f"rollout.max_staleness={staleness}"]
+    # this tree's code, also where the interpreter's environment has another checkout installed (a worktree)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return {"status": "failed", "wall_s": wall, "exit": proc.returncode, "error": tail}
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    steps_rows = [r for r in rows if "perf/step_time" in r]
+    return {"status": "ok", "wall_s": wall, **mlflow_steps(work / "runs" / "mlflow.db")}
 
-    def col(name: str) -> list[float]:
-        return [float(r.get(name, 0.0)) for r in steps_rows]
 
-    evals = sum(v for r in rows for k, v in r.items() if k.startswith("perf/eval_time/"))
-    return {
-        "status": "ok",
-        "wall_s": wall,
-        "step": col("perf/step_time"),
-        "rollout": col("perf/rollout_time"),
-        "train": col("perf/train_time"),
-        "sync": col("perf/update_weights_time"),
-        "eval_s": evals,
-        "save_s": sum(col("perf/save_time")),
-        "reward": col("rollout/raw_reward"),
-        "staleness_max": max(col("rollout/staleness/max") or [0.0]),
-    }
+def mlflow_steps(db: Path) -> dict:
+    """Every step's perf/* times from the run's MLflow store, and `interval`: the time between two steps' metric
+    rows (their MLflow timestamps), which is what a step costs the command, logging and saving included."""
+    import sqlite3
+
+    con = sqlite3.connect(db)
+    try:
+
+        def col(key: str, field: str = "value") -> list[float]:
+            q = f"SELECT {field} FROM metrics WHERE key = ? ORDER BY step"  # one run in a fresh store
+            return [float(v) for (v,) in con.execute(q, (key,))]
+
+        stamps = col("perf/step_time", "timestamp")
+        return {
+            "step": col("perf/step_time"),
+            "rollout": col("perf/rollout_time"),
+            "train": col("perf/train_time"),
+            "sync": col("perf/update_weights_time"),
+            "interval": [(b - a) / 1000 for a, b in zip(stamps, stamps[1:])],
+            "save_s": sum(col("perf/save_time")),
+            "reward": col("rollout/raw_reward"),
+            "staleness_max": max(col("rollout/staleness/max") or [0.0]),
+        }
+    finally:
+        con.close()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -284,7 +305,7 @@ def summarise(runs: list[dict]) -> dict:
     ok = [r for r in runs if r["status"] == "ok"]
     if not ok:
         return {"status": "failed", "error": runs[-1].get("error") if runs else "not run"}
-    med = {k: statistics.median(statistics.median(r[k]) for r in ok) for k in ("step", "rollout", "train", "sync")}
+    med = {k: statistics.median(statistics.median(r[k]) for r in ok) for k in FIGURES}
     return {
         "status": "ok",
         "repeats": len(ok),
@@ -300,13 +321,14 @@ def ratios(s: dict) -> dict:
         if s.get(a, {}).get("status") == "ok" and s.get(b, {}).get("status") == "ok":
             out[f"{a}/{b}"] = {
                 "step": s[a]["step_median_s"] / s[b]["step_median_s"],
+                "interval": s[a]["interval_median_s"] / s[b]["interval_median_s"],
                 "wall": s[a]["wall_median_s"] / s[b]["wall_median_s"],
             }
     return out
 
 
 def print_table(s: dict, r: dict) -> None:
-    print(f"{'':6} {'step':>7} {'rollout':>8} {'train':>7} {'sync':>6} {'command':>8}  (medians, s)")
+    print(f"{'':6} {'step':>7} {'rollout':>8} {'train':>7} {'sync':>6} {'interval':>8} {'command':>8}  (medians, s)")
     for k in KINDS:
         v = s.get(k, {})
         if v.get("status") != "ok":
@@ -314,10 +336,10 @@ def print_table(s: dict, r: dict) -> None:
             continue
         print(
             f"{k:6} {v['step_median_s']:7.3f} {v['rollout_median_s']:8.3f} {v['train_median_s']:7.3f} "
-            f"{v['sync_median_s']:6.3f} {v['wall_median_s']:8.1f}  x{v['repeats']}"
+            f"{v['sync_median_s']:6.3f} {v['interval_median_s']:8.3f} {v['wall_median_s']:8.1f}  x{v['repeats']}"
         )
     for name, v in r.items():
-        print(f"{name:12} step {v['step']:.2f}x  command {v['wall']:.2f}x")
+        print(f"{name:12} step {v['step']:.2f}x  interval {v['interval']:.2f}x  command {v['wall']:.2f}x")
 
 
 def main() -> int:

@@ -35,11 +35,23 @@ class ProgressBoard:
         return {n: (now - self.last[n][0], self.last[n][1]) if n in self.last else None for n in names}
 
 
+# the driver's handle of the board, per Ray cluster and job: (node id, job id) -> handle
+_held: dict[tuple[str, str], Any] = {}
+
+
 def board() -> Any:
-    """The job's board (created on first use; the actors find it by name)."""
+    """The job's board (created on first use; the actors find it by name). The driver holds its handle for the
+    whole job: Ray destroys an actor that is not detached once its last handle goes, named or not, so a handle
+    dropped after each call made a new board process per call (twice a step: 85 of them in one 10-step run of the
+    CPU default, each a Python start of ~1 s of CPU on 2 cores), and the actors' beats went to the dead ones."""
     import ray
 
-    return ray.remote(ProgressBoard).options(name=BOARD_NAME, get_if_exists=True, num_cpus=0).remote()
+    ctx = ray.get_runtime_context()
+    key = (ctx.get_node_id(), ctx.get_job_id())  # a new `ray.init` (a retried task, a test) gets its own board
+    if key not in _held:
+        _held.clear()  # a board of an earlier cluster or job is gone with it
+        _held[key] = ray.remote(ProgressBoard).options(name=BOARD_NAME, get_if_exists=True, num_cpus=0).remote()
+    return _held[key]
 
 
 class Heartbeat:

@@ -136,6 +136,17 @@ def test_a_call_longer_than_the_stall_window_that_keeps_beating_is_not_a_stall(l
     assert got == [12]
 
 
+def test_beats_reach_the_board_of_every_later_call(local_ray):
+    from vime_core.rpc import Stall, gather
+
+    # the actor found the board during the first call; a board made anew for the second (the first one's handle
+    # dropped) would never hear its beats and call the 4.8 s of steady progress a stall after 2.5 s
+    (a,) = beating("worker 4")
+    assert gather([a.work.remote(3, 0.2)], ["worker 4"], "work", 60, "test.timeout_s", Stall(2.5, **STALL)) == [3]
+    got = gather([a.work.remote(12, 0.4)], ["worker 4"], "work", 60, "test.timeout_s", Stall(2.5, **STALL))
+    assert got == [12]
+
+
 def test_an_actor_that_stops_beating_is_reported_long_before_its_timeout(local_ray):
     from vime_core.errors import ActorStallError
     from vime_core.rpc import Stall, gather
