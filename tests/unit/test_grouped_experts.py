@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.grouped_ranks import spawn
-from tests.test_config_model_compat import moe_arch
+from tests.unit.test_config_model_compat import moe_arch
 from vime_core.config import ConfigError, load_config
 from vime_core.models import check_model_compat, resolve_grouped_gemm
 
@@ -73,26 +72,3 @@ def test_grouped_gemm_setting_resolves_and_refuses_misaligned_experts():
     check_model_compat(load_config(None, ["train.moe_grouped_gemm=true"]), aligned)
     with pytest.raises(ConfigError, match=r"train\.moe_grouped_gemm = true .*moe_intermediate_size 6.*set it to auto"):
         check_model_compat(load_config(None, ["train.moe_grouped_gemm=true"]), odd)
-
-
-def test_grouped_experts_equal_sequential_at_ep2(moe_model_dir, tmp_path):
-    for r in spawn("compare", 2, str(moe_model_dir), str(tmp_path / "ckpt")):
-        assert r["experts_module"] == "TorchGroupedMLP"
-        assert r["logp_scale"] > 1.0
-        assert r["logp_diff"] < 1e-5
-        assert r["grad_names_differ"] == []
-        assert r["expert_grads"] == 8 and r["expert_grad_scale"] > 1e-3  # 2 layers x 2 local experts x fc1/fc2
-        assert r["grad_rel_diff"] < 1e-5
-        assert r["full_names_differ"] == [] and r["full_diff"] == 0.0
-        assert r["ckpt_logp_diff"] < 1e-5  # the grouped model's torch_dist checkpoint loads into SequentialMLP
-
-
-def test_trainer_step_export_and_checkpoint_with_grouped_experts(moe_model_dir, tmp_path):
-    (r,) = spawn("train_and_export", 1, str(moe_model_dir), str(tmp_path / "ckpt"))
-    assert r["experts_module"] == "TorchGroupedMLP"  # auto is on for the tiny MoE
-    assert r["metrics_finite"]
-    assert r["export_names_differ"] == []
-    assert r["expert_weights_moved"] > 1e-6  # the step trained the experts that the export carries
-    assert r["sequential_is_sequential"] == "SequentialMLP"
-    assert r["export_logp_diff"] < 1e-5
-    assert r["ckpt_logp_diff"] < 1e-5
