@@ -432,18 +432,8 @@ def collect_rollout(
     for gid, g in enumerate(batch):
         for s in g:
             s.group_id = gid
-    everything = [s for g in generated for s in g]
     consumed = [g[0].metadata.get("index") for g in generated]
-    resp_lens = [s.response_len for s in everything]
-    metrics = {
-        "rollout/raw_reward": statistics.fmean(s.reward for s in everything),
-        "rollout/response_len/mean": statistics.fmean(resp_lens),
-        "rollout/response_len/max": float(max(resp_lens)),
-        "rollout/truncated_ratio": statistics.fmean(1.0 if s.truncated else 0.0 for s in everything),
-        "rollout/zero_std_ratio": statistics.fmean(0.0 if len({s.reward for s in g}) > 1 else 1.0 for g in generated),
-        "perf/rollout_time": rollout_time,
-        "perf/tokens_per_gpu_per_sec": sum(resp_lens) / rollout_time / max(1, cfg.rollout_devices),
-    }
+    metrics = rollout_metrics(generated, rollout_time, cfg.rollout_devices)
     if r.dynamic_sampling:
         metrics.update(
             {
@@ -454,3 +444,18 @@ def collect_rollout(
             }
         )
     return batch, metrics, consumed
+
+
+def rollout_metrics(generated: list[list[Sample]], rollout_time: float, devices: int) -> dict[str, float]:
+    """The step's rollout metrics over every generated sample (dropped groups of dynamic sampling included)."""
+    everything = [s for g in generated for s in g]
+    resp_lens = [s.response_len for s in everything]
+    return {
+        "rollout/raw_reward": statistics.fmean(s.reward for s in everything),
+        "rollout/response_len/mean": statistics.fmean(resp_lens),
+        "rollout/response_len/max": float(max(resp_lens)),
+        "rollout/truncated_ratio": statistics.fmean(1.0 if s.truncated else 0.0 for s in everything),
+        "rollout/zero_std_ratio": statistics.fmean(0.0 if len({s.reward for s in g}) > 1 else 1.0 for g in generated),
+        "perf/rollout_time": rollout_time,
+        "perf/tokens_per_gpu_per_sec": sum(resp_lens) / rollout_time / max(1, devices),
+    }

@@ -258,6 +258,29 @@ def test_no_vime_core_file_is_over_500_lines():
     assert not long, long
 
 
+def long_functions(path: Path, limit: int = 60) -> list[str]:
+    """`name:lines` of every function (methods and nested ones too) in `path` longer than `limit` lines."""
+    tree = ast.parse(path.read_text())
+    return [
+        f"{node.name}:{node.end_lineno - node.lineno + 1}"
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_no_vime_core_function_is_over_60_lines():
+    """Small functions (CONTRIBUTING.md): one over 60 lines does several things; name them."""
+    long = {name: found for name, p in core_modules().items() if (found := long_functions(p))}
+    assert not long, long
+
+
+def test_the_function_length_check_finds_a_long_one(tmp_path):
+    body = "\n".join(f"        x{i} = {i}" for i in range(60))
+    planted = tmp_path / "planted.py"
+    planted.write_text(f"def short():\n    return 1\n\n\nclass C:\n    def long(self):\n{body}\n")
+    assert long_functions(planted) == ["long:61"]
+
+
 def test_bench_scripts_import_each_other_without_a_cycle():
     """bench/ modules import their siblings by name (the scripts put bench/ on sys.path): those edges, at any depth,
     form no cycle either (gpu_scale <-> gpu_scale_phases was one)."""
