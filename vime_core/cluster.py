@@ -343,7 +343,7 @@ def _strategy(p: Placement, bundle: int):
 def _actor_env(
     platform: str, device_ids: list[int], cfg: RunConfig | None = None, role: str = "train"
 ) -> dict[str, str]:
-    from vime_core.schedule import cpu_threads
+    from vime_core.platform import cpu_threads
 
     env = worker_env(platform, device_ids)  # visible devices + Ray's NOSET variables + offline variables
     # megatron, vLLM and torch warn on every import about optional packages absent here; keep actor logs readable
@@ -353,7 +353,7 @@ def _actor_env(
     )
     if platform == "cpu":
         # Ray sets OMP_NUM_THREADS=1 for 1-CPU actors; on-policy trainer and engines take turns, so each may use
-        # every core; with rollout.max_staleness > 0 they overlap and split the cores (schedule.cpu_threads)
+        # every core; with rollout.max_staleness > 0 they overlap and split the cores (platform.cpu_threads)
         cores = os.cpu_count() or 1
         if cfg is not None:
             explicit = cfg.train.cpu_threads if role == "train" else cfg.rollout.cpu_threads

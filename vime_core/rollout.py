@@ -233,7 +233,7 @@ class VLLMEngine:
     def info(self) -> dict[str, Any]:
         from vime_core.platform import max_rss_gib
 
-        from vime_core.schedule import ray_node_id
+        from vime_core.platform import ray_node_id
 
         return {
             "max_rss_gib": max_rss_gib(),

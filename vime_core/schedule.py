@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -221,23 +220,3 @@ class RolloutScheduler:
 # --------------------------------------------------------------------------------------------------------------------
 # CPU threads
 # --------------------------------------------------------------------------------------------------------------------
-def cpu_threads(
-    cores: int, max_staleness: int, role: str, num_trainers: int = 1, num_engines: int = 1, explicit: int | None = None
-) -> int:
-    """Threads of one trainer rank (`role` = "train") or one engine ("rollout") on the CPU platform.
-
-    On-policy the trainer and the engines take turns, so each may use every core. With max_staleness > 0 they run
-    at the same time: two 2-thread OpenMP pools on 2 cores fight (measured: rollout 0.9-2.0 s and train 1.0-2.0 s per
-    step instead of 0.43 s / 0.42 s), so the cores are split between the processes that overlap."""
-    if explicit:
-        return explicit
-    if max_staleness == 0:
-        return max(1, cores)
-    return max(1, cores // max(1, num_trainers + num_engines))
-
-
-def ray_node_id() -> str | None:
-    """The Ray node this process runs on (None outside Ray): where an actor was placed, as Ray sees it."""
-    if "ray" not in sys.modules or not sys.modules["ray"].is_initialized():
-        return None
-    return sys.modules["ray"].get_runtime_context().get_node_id()

@@ -221,3 +221,13 @@ def test_apply_offline_env_on_empty_dict_sets_everything():
     apply_offline_env(environ)
     assert environ == OFFLINE_ENV
     assert environ is not OFFLINE_ENV
+
+
+def test_cpu_threads_split_the_cores_only_when_trainer_and_engines_overlap():
+    from vime_core.platform import cpu_threads
+
+    assert cpu_threads(2, 0, "train") == 2 and cpu_threads(2, 0, "rollout") == 2
+    assert cpu_threads(2, 1, "train") == 1 and cpu_threads(2, 1, "rollout") == 1
+    assert cpu_threads(16, 2, "rollout", num_trainers=2, num_engines=2) == 4
+    assert cpu_threads(2, 1, "train", num_trainers=2, num_engines=2) == 1
+    assert cpu_threads(2, 1, "train", explicit=2) == 2

@@ -18,7 +18,6 @@ from vime_core.schedule import (
     StalenessResumeError,
     behaviour_version,
     check_staleness_resume,
-    cpu_threads,
     last_rollout_before_push,
     read_inflight,
     staleness_metrics,
@@ -85,14 +84,6 @@ def test_metrics_helpers():
     assert staleness_metrics(5, [4, 4, 5, 3]) == {"rollout/staleness/mean": 1.0, "rollout/staleness/max": 2.0}
     assert staleness_metrics(0, []) == {"rollout/staleness/mean": 0.0, "rollout/staleness/max": 0.0}
     assert wait_time_ratio(0.25, 1.0) == 0.25 and wait_time_ratio(2.0, 1.0) == 1.0 and wait_time_ratio(1.0, 0.0) == 0.0
-
-
-def test_cpu_threads_split_the_cores_only_when_trainer_and_engines_overlap():
-    assert cpu_threads(2, 0, "train") == 2 and cpu_threads(2, 0, "rollout") == 2
-    assert cpu_threads(2, 1, "train") == 1 and cpu_threads(2, 1, "rollout") == 1
-    assert cpu_threads(16, 2, "rollout", num_trainers=2, num_engines=2) == 4
-    assert cpu_threads(2, 1, "train", num_trainers=2, num_engines=2) == 1
-    assert cpu_threads(2, 1, "train", explicit=2) == 2
 
 
 # --------------------------------------------------------------------------------------------------------------------

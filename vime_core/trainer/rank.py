@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from vime_core.config import RunConfig
 from vime_core.progress import Heartbeat
-from vime_core.schedule import cpu_threads, ray_node_id
+from vime_core.platform import cpu_threads, ray_node_id
 from vime_core.sync.base import WeightSource
 from vime_core.trainer.checkpoint_io import RankCheckpoint
 from vime_core.trainer.optim import make_optimizer
