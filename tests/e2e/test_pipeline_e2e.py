@@ -26,6 +26,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
@@ -70,15 +71,26 @@ def stop(proc: subprocess.Popen, grace: float = 30) -> None:
             proc.wait()
 
 
-def api(env: dict, path: str, body: dict | None = None, method: str | None = None):
+def api(env: dict, path: str, body: dict | None = None, method: str | None = None, attempts: int = 5):
+    """One Prefect REST call. Every call the tests make is a read or an idempotent write (a forced state), so a
+    timeout is retried: on the 2-core CI box a training flow run can starve the server for more than 30 s, which
+    Prefect's own client rides out with retries too."""
     req = urllib.request.Request(
         env["PREFECT_API_URL"] + path,
         method=method or ("POST" if body is not None else "GET"),
         data=None if body is None else json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read() or "null")
+    for attempt in range(attempts):
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.loads(r.read() or "null")
+        except urllib.error.HTTPError:
+            raise  # the server answered: a real error, not a slow server
+        except (TimeoutError, ConnectionError, urllib.error.URLError) as e:
+            if attempt == attempts - 1:
+                raise TimeoutError(f"Prefect API {path} did not answer in {attempts} tries") from e
+            time.sleep(5)
 
 
 def wait_until(fn, timeout: float, what: str, interval: float = 2):

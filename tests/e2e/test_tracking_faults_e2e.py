@@ -28,7 +28,9 @@ def pipeline(tmp_path: Path, *sets: str) -> subprocess.CompletedProcess:
 
 def test_the_pipeline_with_an_unreachable_mlflow_server_ends_in_one_clear_line(tmp_path):
     port = free_port()  # nothing listens there
-    done = pipeline(tmp_path, f"tracking.uri=http://127.0.0.1:{port}")
+    # 6 s of retries (2 + 4) instead of the default 180: the retry policy has its own unit test, this one is about the
+    # line the user sees once the retries are spent
+    done = pipeline(tmp_path, f"tracking.uri=http://127.0.0.1:{port}", "tracking.outage_s=6")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr[-3000:]
     # the CLI's line (Prefect's "Stopping temporary server" log line may follow it)
