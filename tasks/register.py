@@ -12,7 +12,8 @@ from tasks.nightly import registered_name
 from tasks.tracking import tracking_target
 from vime_core.checkpoint import convert_torch_dist_to_hf
 from vime_core.sources import weights_digest
-from vime_core.tracking import CHALLENGER, WEIGHTS_TAG, MlflowRun, register_model as register_version
+from vime_core.policy_model import register_policy
+from vime_core.tracking import CHALLENGER, MlflowRun
 
 
 @task(
@@ -33,13 +34,6 @@ def export_hf(config: dict[str, Any], checkpoint_dir: str) -> str:
     return str(out)
 
 
-def version_artifact_path(export_dir: Path, digest: str) -> str:
-    """Each registered version owns its files: `model/<iter_N>-<sha256[:16]>` is written once and never again (a
-    continued run that registers again logs new weights under a new path), so `models:/<name>/<v>` keeps
-    resolving to the weights that were registered as v."""
-    return f"model/{export_dir.name}-{digest[:16]}"
-
-
 @task(
     name="register-model",
     retries=2,
@@ -55,7 +49,8 @@ def register_model(
     checkpoint: str | None = None,
     promote: bool = True,
 ) -> dict[str, Any]:
-    """A new model version owning a copy of `export_dir`; `champion` moves only on a strictly better score and only
+    """A new model version: `export_dir` logged as a pyfunc policy model with a signature (vime_core.policy_model),
+    in the tracking server's artifact store when there is one; `champion` moves only on a strictly better score and only
     when `promote` (the flow's parameter); a version that does not take it becomes `challenger`. The run's tag
     vime.registered_checkpoint lets a re-run see that this checkpoint's policy is registered already."""
     cfg = cfg_of(config)
@@ -65,19 +60,18 @@ def register_model(
     uri, experiment = tracking_target(cfg)
     run = MlflowRun(uri, experiment, run_id=run_id)
     digest = weights_digest(Path(export_dir))
-    artifact_path = run.log_dir(Path(export_dir), version_artifact_path(Path(export_dir), digest))
     name = registered_name(cfg)
-    info = register_version(
+    info = register_policy(
         uri,
         name,
         run_id,
-        artifact_path,
+        Path(export_dir),
+        digest,
         metric,
         metrics[metric],
-        tags={WEIGHTS_TAG: digest, "vime.export_dir": str(export_dir)},
-        reuse_tag=WEIGHTS_TAG,
-        promote=promote,
-    )  # a retry after create_model_version reuses that version
+        {"vime.export_dir": str(export_dir)},
+        promote,
+    )  # a retry reuses the logged model and the version
     run.set_tags(
         {
             "vime.registered_model": name,

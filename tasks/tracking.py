@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from prefect import task
@@ -17,6 +16,7 @@ from vime_core.tracking import (
     check_reachable,
     environment_tags,
     find_run_by_tag,
+    local_artifact_root,
     resolve_tracking_uri,
     run_url,
     safe_params,
@@ -28,13 +28,6 @@ FLOW_RUN_NAME_TAG = "prefect.flow_run_name"
 
 def tracking_target(cfg) -> tuple[str, str]:
     return resolve_tracking_uri(cfg), cfg.tracking.experiment or cfg.name
-
-
-def artifact_root(cfg, uri: str) -> Path:
-    """New experiments keep their artifacts beside a local sqlite store (runs/mlartifacts), else beside output_dir."""
-    if uri.startswith("sqlite:///"):
-        return Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts"
-    return cfg.output_dir.resolve().parent / "mlartifacts"
 
 
 def run_id_to_continue(cfg, flow_run_id: str | None = None) -> str | None:
@@ -110,7 +103,12 @@ def start_tracking(
         tags["mlflow.note.content"] = f"Prefect flow run `{name}` ({flow_run_id})"
     continued = run_id_to_continue(cfg, flow_run_id)
     run = MlflowRun(
-        uri, experiment, run_name=run_name, run_id=continued, tags=tags, artifact_root=artifact_root(cfg, uri)
+        uri,
+        experiment,
+        run_name=run_name,
+        run_id=continued,
+        tags=tags,
+        artifact_root=local_artifact_root(uri, cfg.output_dir),
     )
     changed = run.log_params(safe_params(flatten(cfg)))
     if changed:

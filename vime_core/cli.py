@@ -326,7 +326,7 @@ def tracking_sink(cfg):
         return None, None
     from vime_core.config import flatten
     from vime_core.redact import redact
-    from vime_core.tracking import MlflowRun, resolve_tracking_uri, safe_params
+    from vime_core.tracking import MlflowRun, local_artifact_root, resolve_tracking_uri, safe_params
 
     uri = resolve_tracking_uri(cfg)
     run_id = ((resume_state(cfg) or {}).get("run_state") or {}).get("mlflow_run_id")
@@ -336,7 +336,7 @@ def tracking_sink(cfg):
         run_name=f"{cfg.name}-train",
         run_id=run_id,
         tags={"vime.config": cfg.name, "vime.entry": "vime train"},
-        artifact_root=cfg.output_dir.resolve().parent / "mlartifacts",
+        artifact_root=local_artifact_root(uri, cfg.output_dir),
     )
     run.log_params(safe_params(flatten(cfg)))
     # the URI as shown and stored in every checkpoint: its password masked (a resume reads only the run id)

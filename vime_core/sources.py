@@ -12,14 +12,15 @@ Sources:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from vime_core.builtin import builtin_model_path, cache_dir
 from vime_core.errors import TransientError, VimeError
 from vime_core.redact import redact
+from vime_core.policy_model import hf_dir_of
 from vime_core.tracking import mlflow_client
 
 MODEL_PATTERNS = [
@@ -220,8 +221,10 @@ def download_registered_model(uri_or_spec: str, tracking_uri: str | None = None)
             artifact_uri=mv.source, dst_path=str(target.parent / (target.name + ".dl")), tracking_uri=tracking_uri
         )
     )
-    if local.name.endswith(".ref.json"):  # a large export logged by reference
-        return Path(json.loads(local.read_text())["path"])
+    weights = hf_dir_of(local)
+    if not weights.is_relative_to(local):  # a large export logged by reference: the directory that trained it
+        return weights
     if not target.exists():
-        os.replace(local, target)
+        os.replace(weights, target)
+    shutil.rmtree(target.parent / (target.name + ".dl"), ignore_errors=True)  # the model's MLmodel, code, envs
     return target

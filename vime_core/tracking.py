@@ -1,11 +1,11 @@
-"""The one place that knows MLflow: runs (`MlflowRun`, a metrics sink of vime_core.metrics), eval child runs, the
-registry and its promotion rule, and the tracking URI's checks. Metric names and the other sinks: vime_core.metrics.
+"""MLflow runs (`MlflowRun`, a metrics sink of vime_core.metrics), eval child runs, the registry and its promotion
+rule, and the tracking URI's checks. The policy a version registers, as an MLflow logged model:
+vime_core.policy_model. Metric names and the other sinks: vime_core.metrics.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
-import json
 import logging
 import math
 import os
@@ -27,7 +27,6 @@ log = logging.getLogger(__name__)
 # MLflow: the one place that knows it
 # ====================================================================================================================
 SECRET_WORDS = ("token", "secret", "password", "api_key", "apikey", "credential")
-ARTIFACT_INLINE_LIMIT = 256 * 2**20  # larger exports are logged as a reference file, not copied into the store
 # MLflow 3's UI opens an experiment without this tag in its GenAI (traces) view; this value selects the model
 # training view (the UI's ExperimentKind enum: genai_development | custom_model_development | ...)
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
@@ -70,12 +69,29 @@ def resolve_tracking_uri(cfg) -> str:
     return cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(cfg.output_dir)
 
 
+def is_server(uri: str) -> bool:
+    """A tracking server (with its own artifact store), as opposed to a store on this machine's disk."""
+    return urlsplit(uri).scheme in ("http", "https", "databricks")
+
+
+def local_artifact_root(uri: str, output_dir: Path) -> Path | None:
+    """Where a new experiment keeps its artifacts: None for a tracking server (its artifact store, so that a
+    teammate's machine can download what a night registered); beside a local sqlite store (runs/mlartifacts); else
+    beside output_dir."""
+    if is_server(uri):
+        return None
+    if uri.startswith("sqlite:///"):
+        return Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts"
+    return Path(output_dir).resolve().parent / "mlartifacts"
+
+
 def mlflow_client(uri: str):
     """An MlflowClient for tracking and registry at `uri`, offline variables set, failing fast when a server is down."""
     apply_offline_env()
     # fail in seconds, not after minutes of retries, when a server is down
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per file in a task's log
     if has_credentials(uri):  # MLflow's "View run at <uri>/#/..." line prints the URI as given, password included
         os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     from mlflow.tracking import MlflowClient
@@ -253,17 +269,6 @@ class MlflowRun:
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, redact(text), artifact_file)
 
-    def log_dir(self, local_dir: Path, artifact_path: str) -> str:
-        """Copy a directory into the run's artifacts, or log a reference to it when it is large. Returns the
-        artifact path used (for registering)."""
-        size = sum(f.stat().st_size for f in Path(local_dir).rglob("*") if f.is_file())
-        if size <= ARTIFACT_INLINE_LIMIT:
-            self.client.log_artifacts(self.run_id, str(local_dir), artifact_path)
-            return artifact_path
-        ref = {"path": str(Path(local_dir).resolve()), "bytes": size}
-        self.client.log_text(self.run_id, json.dumps(ref, indent=2), f"{artifact_path}.ref.json")
-        return f"{artifact_path}.ref.json"
-
     def end(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
 
@@ -370,7 +375,7 @@ def register_model(
     uri: str,
     name: str,
     run_id: str,
-    artifact_path: str,
+    model_id: str,
     metric: str,
     value: float,
     alias: str = "champion",
@@ -378,7 +383,8 @@ def register_model(
     reuse_tag: str | None = None,
     promote: bool = True,
 ) -> dict[str, Any]:
-    """Register a model version; move `alias` to it only when `promote` and `value` beats the current holder's
+    """Register logged model `model_id` (vime_core.policy_model) as a version of `name`; move `alias` to it only
+    when `promote` and `value` beats the current holder's
     (recorded in the version's tags and description either way); a version that does not take `alias` gets
     CHALLENGER. The score is stored at full precision (repr) so that the next comparison is exact. `reuse_tag` (a key
     of `tags`, e.g. the weights digest): a version of the same run with the same value of that tag is reused, so a
@@ -408,9 +414,12 @@ def register_model(
     if mv is None:
         mv = client.create_model_version(
             name,
-            source=f"runs:/{run_id}/{artifact_path}",
+            # the storage location, not models:/<id>: a local sqlite registry resolves that through the process's
+            # global tracking URI (MLflow 3.17), which this process never sets
+            source=client.get_logged_model(model_id).artifact_location,
             run_id=run_id,
             tags={tag_key: repr(float(value)), **(tags or {})},
+            model_id=model_id,
         )
     else:  # reused: its score tag says what this comparison used
         client.set_model_version_tag(name, mv.version, tag_key, repr(float(value)))

@@ -13,7 +13,8 @@ One server, one worker, five flow runs, in order:
    nothing trained, `NothingTrained`, nothing registered; with a fixed setting changed: refused before any task,
    the champion's run untouched;
 4. the same dir with `checkpoint.start_fresh=true` and another seed: registers the weights it trained;
-5. a run on an output dir another process holds: refused, naming the holder.
+5. a run on an output dir another process holds: refused, naming the holder; the automation of flows/alerts.py
+   posts the failure to a webhook.
 """
 
 from __future__ import annotations
@@ -21,13 +22,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
-import urllib.error
-import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -35,78 +32,16 @@ import pytest
 import yaml
 
 from tasks.nightly import flow_run_key
+from tests.helpers.prefect_api import BIN, api, prefect, stop, wait_http, wait_until
 from tests.helpers.tiny import REPO
 from vime_core.ports import free_port
 
 
-BIN = Path(sys.executable).parent
 STEPS = 3
 EVAL_NAME = "arith-heldout"
 MODEL = "vime-tiny-cpu"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 SECOND_CRON = "30 2 * * *"  # the test's second night, half an hour after the shipped schedule's
-
-
-def wait_http(url: str, timeout: float, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise TimeoutError(f"{url} not up after {timeout}s:\n{log.read_text()[-3000:]}")
-
-
-def stop(proc: subprocess.Popen, grace: float = 30) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def api(env: dict, path: str, body: dict | None = None, method: str | None = None, attempts: int = 5):
-    """One Prefect REST call. Every call the tests make is a read or an idempotent write (a forced state), so a
-    timeout is retried: on the 2-core CI box a training flow run can starve the server for more than 30 s, which
-    Prefect's own client rides out with retries too."""
-    req = urllib.request.Request(
-        env["PREFECT_API_URL"] + path,
-        method=method or ("POST" if body is not None else "GET"),
-        data=None if body is None else json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    for attempt in range(attempts):
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return json.loads(r.read() or "null")
-        except urllib.error.HTTPError:
-            raise  # the server answered: a real error, not a slow server
-        except (TimeoutError, ConnectionError, urllib.error.URLError) as e:
-            if attempt == attempts - 1:
-                raise TimeoutError(f"Prefect API {path} did not answer in {attempts} tries") from e
-            time.sleep(5)
-
-
-def wait_until(fn, timeout: float, what: str, interval: float = 2):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(interval)
-    raise TimeoutError(f"{what} after {timeout}s")
-
-
-def prefect(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(BIN / "prefect"), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
-    )
 
 
 def test_overrides(out: Path, *extra: str) -> list[str]:
@@ -254,13 +189,15 @@ def file_hashes(d: Path) -> dict[str, str]:
 
 
 def version_files(client, version: str, dst: Path) -> dict[str, str]:
-    """The files of `models:/<MODEL>/<version>`, downloaded from the store (not from a local cache)."""
+    """The weights files of `models:/<MODEL>/<version>` (the policy model's HF directory), downloaded from the
+    store (not from a local cache)."""
     import mlflow
 
+    from vime_core.policy_model import hf_dir_of
+
     mv = client.get_model_version(MODEL, str(version))
-    return file_hashes(
-        Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst), tracking_uri=client.uri))
-    )
+    downloaded = mlflow.artifacts.download_artifacts(artifact_uri=mv.source, dst_path=str(dst), tracking_uri=client.uri)
+    return file_hashes(hf_dir_of(Path(downloaded)))
 
 
 def scored_weights(client, run_id: str) -> str:
@@ -463,7 +400,40 @@ def test_start_fresh_registers_the_weights_it_trained(deployment, second_night, 
     assert files != version_files(store, "1", tmp_path / "v1"), "the first night's weights were registered again"
 
 
-def test_a_run_on_a_held_output_dir_is_refused_naming_the_holder(deployment, second_night, tmp_path):
+@pytest.fixture(scope="module")
+def webhook(deployment):
+    """A webhook on 127.0.0.1 and flows/alerts.py's automation posting to it; yields the bodies received."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    received: list[dict] = []
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):  # quiet
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+    r = subprocess.run(
+        [sys.executable, "-m", "flows.alerts", "--webhook-url", url, "--allow-private-urls"],
+        env=deployment["env"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and "automation vime-nightly-failed" in r.stdout, r.stdout + r.stderr[-3000:]
+    yield received
+    server.shutdown()
+
+
+def test_a_run_on_a_held_output_dir_is_refused_naming_the_holder(deployment, second_night, webhook, tmp_path):
     held = tmp_path / "held"
     hold = textwrap.dedent("""
         import sys, time
@@ -490,10 +460,16 @@ def test_a_run_on_a_held_output_dir_is_refused_naming_the_holder(deployment, sec
     state = api(deployment["env"], f"/flow_runs/{run['id']}")["state"]
     assert state["type"] == "FAILED" and r.returncode == 1
     assert f"is in use by pid {holder.pid} on" in state["message"] and "the-other-run" in state["message"], state
-    assert "pipeline failed: RunLockedError: output_dir" in r.stdout, r.stdout[-3000:]  # what --watch users see
+    # the line --watch users see, read from the server: --watch waits only 3 s after the final state for log lines,
+    # and on the loaded 2-core CI box the server once published this one later than that
+    logs = api(deployment["env"], "/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200})
+    assert any("pipeline failed: RunLockedError: output_dir" in e["message"] for e in logs), r.stdout[-3000:]
     artifacts = api(deployment["env"], "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})
     assert any("Pipeline failed" in str(a.get("data")) and "is in use by pid" in str(a.get("data")) for a in artifacts)
     assert not (held / "checkpoints").exists()
+    # flows/alerts.py's automation told the team: the run's name, its state and why
+    posted = wait_until(lambda: [b for b in webhook if run["name"] in b["text"]], 120, "no alert for the failed run")
+    assert "ended Failed" in posted[0]["text"] and "is in use by pid" in posted[0]["text"], posted
 
 
 def test_notebook_compares_the_runs(deployment, second_night, tmp_path, monkeypatch):

@@ -43,15 +43,12 @@ def fake_export(d: Path, weights: bytes) -> Path:
 def register(
     uri: str, tmp_path: Path, export: Path, value: float, name: str = "vime-test", promote: bool = True
 ) -> dict:
-    from tasks.register import version_artifact_path
+    from vime_core.policy_model import register_policy
     from vime_core.sources import weights_digest
-    from vime_core.tracking import MlflowRun, register_model
+    from vime_core.tracking import MlflowRun
 
     run = MlflowRun(uri, "registry-test", run_name="r", artifact_root=tmp_path / "artifacts")
-    digest = weights_digest(export)
-    path = run.log_dir(export, version_artifact_path(export, digest))
-    tags = {"vime.weights_sha256": digest}
-    return register_model(uri, name, run.run_id, path, METRIC, value, tags=tags, promote=promote)
+    return register_policy(uri, name, run.run_id, export, weights_digest(export), METRIC, value, promote=promote)
 
 
 def test_a_tie_never_promotes_and_scores_are_compared_at_full_precision(store, tmp_path):
@@ -250,14 +247,17 @@ def test_any_other_registry_error_is_raised_not_read_as_no_champion(store, monke
 def test_a_retried_registration_reuses_the_version_of_the_same_weights(store, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from vime_core.tracking import MlflowRun, register_model
+    from vime_core.policy_model import register_policy
+    from vime_core.tracking import MlflowRun
 
     run = MlflowRun(store, "review-fixes", run_name="r", artifact_root=tmp_path / "artifacts")
-    args = (store, "vime-retry", run.run_id, "model/x", "eval/x/pass@1", 0.5)
-    first = register_model(*args, tags={"vime.weights_sha256": "aa"}, reuse_tag="vime.weights_sha256")
-    again = register_model(*args, tags={"vime.weights_sha256": "aa"}, reuse_tag="vime.weights_sha256")
-    other = register_model(*args, tags={"vime.weights_sha256": "bb"}, reuse_tag="vime.weights_sha256")
+    export = fake_export(tmp_path / "export", b"w")
+    args = (store, "vime-retry", run.run_id, export)
+    first = register_policy(*args, "aa", "eval/x/pass@1", 0.5)
+    again = register_policy(*args, "aa", "eval/x/pass@1", 0.5)
+    other = register_policy(*args, "bb", "eval/x/pass@1", 0.5)
     assert first["version"] == again["version"] == 1 and again["promoted"], again
+    assert first["model_id"] == again["model_id"] != other["model_id"], "one logged model per weights digest"
     assert other["version"] == 2
     versions = MlflowClient(tracking_uri=store, registry_uri=store).search_model_versions("name = 'vime-retry'")
     assert sorted(int(v.version) for v in versions) == [1, 2]

@@ -41,23 +41,22 @@ def registry(tmp_path):
     return uri, tmp_path
 
 
-def _logged_run(uri: str, root: Path, model_dir: Path):
+def register(uri: str, root: Path, model_dir: Path, metric: str, value: float) -> dict:
+    """A new run registering `model_dir` as the pipeline does (a logged policy model)."""
+    from vime_core.policy_model import register_policy
+    from vime_core.sources import weights_digest
     from vime_core.tracking import MlflowRun
 
     run = MlflowRun(uri, "registry-test", run_name="r", artifact_root=root / "artifacts")
-    path = run.log_dir(model_dir, "model")
-    return run, path
+    return register_policy(uri, "vime-test", run.run_id, model_dir, weights_digest(model_dir), metric, value)
 
 
 def test_champion_moves_only_when_heldout_improves(registry, dense_model_dir):
-    from vime_core.tracking import register_model
-
     uri, root = registry
     metric = "eval/arith-heldout/pass@1"
     outcomes = []
     for value in (0.30, 0.20, 0.40):
-        run, path = _logged_run(uri, root, dense_model_dir)
-        outcomes.append(register_model(uri, "vime-test", run.run_id, path, metric, value))
+        outcomes.append(register(uri, root, dense_model_dir, metric, value))
     assert [o["version"] for o in outcomes] == [1, 2, 3]
     assert [o["promoted"] for o in outcomes] == [True, False, True]
     assert "does not beat champion version 1" in outcomes[1]["reason"]
@@ -72,11 +71,9 @@ def test_mlflow_source_downloads_the_champion_and_names_missing_aliases(
     registry, dense_model_dir, monkeypatch, tmp_path
 ):
     from vime_core.sources import SourceError, resolve_model
-    from vime_core.tracking import register_model
 
     uri, root = registry
-    run, path = _logged_run(uri, root, dense_model_dir)
-    register_model(uri, "vime-test", run.run_id, path, "eval/x/pass@1", 0.5)
+    register(uri, root, dense_model_dir, "eval/x/pass@1", 0.5)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("VIME_CACHE_DIR", str(tmp_path / "cache"))
     got = resolve_model("mlflow://models:/vime-test@champion")
@@ -88,11 +85,9 @@ def test_mlflow_source_downloads_the_champion_and_names_missing_aliases(
 def test_mlflow_source_uses_the_given_registry_without_env(registry, dense_model_dir, monkeypatch, tmp_path):
     """The pipeline passes its config's tracking URI (e.g. the default sqlite store): no MLFLOW_TRACKING_URI needed."""
     from vime_core.sources import resolve_model
-    from vime_core.tracking import register_model
 
     uri, root = registry
-    run, path = _logged_run(uri, root, dense_model_dir)
-    register_model(uri, "vime-test", run.run_id, path, "eval/x/pass@1", 0.5)
+    register(uri, root, dense_model_dir, "eval/x/pass@1", 0.5)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("VIME_CACHE_DIR", str(tmp_path / "cache"))
     got = resolve_model("mlflow://models:/vime-test@champion", tracking_uri=uri)

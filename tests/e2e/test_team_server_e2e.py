@@ -1,0 +1,119 @@
+"""A night on a team's MLflow tracking server, and a teammate who loads its champion on another machine.
+
+A real `mlflow server --artifacts-destination <folder>` on 127.0.0.1. The worker runs `vime-pipeline` from its own
+directory; every artifact must reach the server's folder (nothing beside the worker's run). The "teammate" is another
+working directory with an empty vime cache and only the server's URI: it loads `models:/<name>@champion` with
+`mlflow.pyfunc.load_model` (the version's signature says what to send) and evaluates it with `flows.evaluate`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.mlflow_server import start_server, stop_server
+from tests.helpers.tiny import REPO
+from vime_core.ports import free_port
+
+BIN = Path(sys.executable).parent
+MODEL = "vime-tiny-cpu"  # registered_name of configs/tiny-cpu.yaml
+EVAL = '[{name: arith-heldout, source: "builtin://arith?split=heldout&size=16"}]'
+
+
+def run(args: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def night(tmp_path_factory):
+    """The server, and one pipeline run (a night) of the worker against it."""
+    tmp = tmp_path_factory.mktemp("team")
+    root, port = tmp / "server", free_port()
+    root.mkdir()
+    server = start_server(root, port)
+    uri = f"http://127.0.0.1:{port}"
+    worker = tmp / "worker"
+    worker.mkdir()
+    env = {**os.environ, "VIME_DEBUG": "", "PREFECT_HOME": str(tmp / "prefect")}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    # one step and no baseline evaluation: what is under test is where the night's artifacts go, not training
+    sets = [f"output_dir={worker / 'runs' / 'tiny-cpu'}", f"tracking.uri={uri}", "rollout.num_rollout=1"]
+    sets += [f"eval.datasets={EVAL}", "eval.before_train=false"]
+    try:
+        run(
+            [str(BIN / "vime-pipeline"), "-c", str(REPO / "configs/tiny-cpu.yaml")]
+            + [a for s in sets for a in ("--set", s)],
+            worker,
+            env,
+        )
+        yield {"uri": uri, "root": root, "worker": worker, "tmp": tmp}
+    finally:
+        stop_server(server)
+
+
+def test_every_artifact_of_the_night_is_in_the_servers_store(night):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(night["uri"], night["uri"])
+    experiment = client.get_experiment_by_name("tiny-cpu")
+    assert experiment.artifact_location.startswith("mlflow-artifacts:/"), experiment.artifact_location
+    runs = client.search_runs([experiment.experiment_id])
+    assert runs and all(r.info.artifact_uri.startswith("mlflow-artifacts:/") for r in runs)
+    stored = [p for p in (night["root"] / "art").rglob("*") if p.is_file()]
+    assert [p for p in stored if p.name == "MLmodel"], "the registered policy model is in the server's folder"
+    assert [p for p in stored if p.name == "model.safetensors"], "with its weights"
+    local = [p for p in night["worker"].rglob("*") if {"mlartifacts", "mlruns"} & set(p.parts) or p.name == "MLmodel"]
+    assert not local, f"artifacts written beside the worker's run: {local[:5]}"
+
+
+def test_the_version_has_a_signature_and_loads_as_a_pyfunc_elsewhere(night):
+    """The teammate's machine: its own directory and empty cache, the server's URI, nothing of the worker's disk."""
+    teammate = night["tmp"] / "teammate"
+    teammate.mkdir()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": night["uri"], "VIME_CACHE_DIR": str(teammate / "cache")}
+    code = textwrap.dedent(
+        f"""
+        import json, mlflow
+        model = mlflow.pyfunc.load_model("models:/{MODEL}@champion")
+        out = model.predict([{{"prompt": "What is 2 + 3?"}}], params={{"max_new_tokens": 8}})
+        meta = model.metadata
+        print(json.dumps({{"inputs": meta.get_input_schema().input_names(), "params":
+            [p.name for p in meta.get_params_schema().params], "out": out}}))
+        """
+    )
+    got = json.loads(run([sys.executable, "-c", code], teammate, env).stdout.strip().splitlines()[-1])
+    assert got["inputs"] == ["prompt"] and got["params"] == ["max_new_tokens"], got
+    assert len(got["out"]) == 1 and isinstance(got["out"][0], str), got
+
+
+def test_a_teammate_evaluates_the_champion_from_the_server(night):
+    from mlflow.tracking import MlflowClient
+
+    from vime_core.sources import weights_digest
+    from vime_core.tracking import WEIGHTS_TAG
+
+    teammate = night["tmp"] / "teammate-eval"
+    teammate.mkdir()
+    env = {**os.environ, "VIME_CACHE_DIR": str(teammate / "cache"), "PREFECT_HOME": str(teammate / "prefect")}
+    env["VIME_DEBUG"] = ""
+    sets = [f"output_dir={teammate / 'eval'}", f"tracking.uri={night['uri']}", f"eval.datasets={EVAL}"]
+    done = run(
+        [sys.executable, "-m", "flows.evaluate", "--model", f"mlflow://models:/{MODEL}@champion"]
+        + ["--config", str(REPO / "configs/tiny-cpu.yaml")]
+        + [a for s in sets for a in ("--set", s)],
+        teammate,
+        env,
+    )
+    # the flow prints its scores into Prefect's log (log_prints), on stderr
+    assert "eval/arith-heldout/pass@1 = " in done.stderr, done.stderr[-3000:]
+    (downloaded,) = [p for p in (teammate / "cache" / "mlflow-models").glob(f"{MODEL}-v*") if p.suffix != ".dl"]
+    champion = MlflowClient(night["uri"], night["uri"]).get_model_version_by_alias(MODEL, "champion")
+    assert weights_digest(downloaded) == champion.tags[WEIGHTS_TAG], "the teammate scored the registered weights"
