@@ -33,8 +33,8 @@ class TrainConfig(Section):
         FIXED,
         Field(
             description="MoE experts as one grouped GEMM per projection (megatron's GroupedMLP on torch._grouped_mm) "
-            "instead of a loop over experts (SequentialMLP): 0.32 ms against 3.82 ms for 128 experts x [2,048 -> "
-            "768] at 65,536 tokens, bf16, H200. Same values; torch_dist checkpoints load either way. `auto`: on for "
+            "instead of a loop over experts (SequentialMLP): ~12x faster at Qwen3-30B-A3B's expert width "
+            "(bench/gpu_scale.py). Same values; torch_dist checkpoints load either way. `auto`: on for "
             "MoE models whose expert GEMMs have 16-byte rows (every Qwen3-MoE). Fixed across a resume: the "
             "optimizer state is saved per parameter, and the two hold different parameters."
         ),
@@ -96,10 +96,9 @@ class TrainConfig(Section):
         FREE,
         Field(
             description="Keep each log-prob chunk's logits (in the weights' dtype) from forward to backward instead "
-            "of recomputing them there: one output-layer matmul less per trained token (~4% of a Qwen3-1.7B "
-            "step's FLOPs at vocab 151,936), for response tokens x vocab/TP x 2 bytes more at the peak "
-            "by arithmetic (2.8 GB for a 9,216-token bf16 micro-batch). Same values and gradients. Off: the "
-            "measured peak grew far more than that arithmetic for a few percent of speed (bench/trainer_profile.py).",
+            "of recomputing them there: one output-layer matmul less per trained token, for response tokens x "
+            "vocab/TP x 2 bytes more at the peak by arithmetic. Same values and gradients. Off: the measured peak "
+            "grew far more than that arithmetic for a few percent of speed (bench/trainer_profile.py).",
         ),
     ] = False
     old_logprobs: Annotated[
