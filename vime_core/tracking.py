@@ -176,7 +176,9 @@ def environment_tags(platform: str) -> dict[str, str]:
 class MlflowRun:
     """An MLflow run used as a metrics sink (MlflowClient only: no global active run, safe in Prefect's threads).
 
-    `run_id` given: continue that run (a retried or resumed training keeps logging into the same run)."""
+    `run_id` given: continue that run (a retried or resumed training keeps logging into the same run). A resumed
+    run repeats the steps after its checkpoint, bit-exactly; the points those steps logged before the crash stay, and
+    their repeats are dropped, so each metric keeps one point per step."""
 
     def __init__(
         self,
@@ -196,7 +198,11 @@ class MlflowRun:
                 raise TrackingError(f"MLflow run {run_id} was deleted; cannot continue it")
             self.client.update_run(run_id, status="RUNNING")
             self.run_id = run_id
+            self.logged_through = {
+                key: max(m.step for m in self.client.get_metric_history(run_id, key)) for key in run.data.metrics
+            }
         else:
+            self.logged_through: dict[str, int] = {}
             exp = self.client.get_experiment_by_name(experiment)
             if exp is None:
                 location = artifact_root.resolve().as_uri() + f"/{experiment}" if artifact_root else None
@@ -219,7 +225,9 @@ class MlflowRun:
         batch = [
             Metric(mlflow_key(k), float(v), ts, step)
             for k, v in metrics.items()
-            if isinstance(v, (int, float)) and math.isfinite(float(v))
+            if isinstance(v, (int, float))
+            and math.isfinite(float(v))
+            and step > self.logged_through.get(mlflow_key(k), -1)
         ]
         for i in range(0, len(batch), 900):  # MLflow caps a batch at 1000 entries
             self.client.log_batch(self.run_id, metrics=batch[i : i + 900])

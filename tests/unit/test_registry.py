@@ -261,3 +261,24 @@ def test_a_retried_registration_reuses_the_version_of_the_same_weights(store, tm
     assert other["version"] == 2
     versions = MlflowClient(tracking_uri=store, registry_uri=store).search_model_versions("name = 'vime-retry'")
     assert sorted(int(v.version) for v in versions) == [1, 2]
+
+
+def test_a_resumed_run_keeps_one_point_per_step(store):
+    """A crash after step 2 was logged, resumed from the checkpoint of step 1: step 2 is trained and logged again
+    (bit-exactly the same values); the run keeps one point per step, and an evaluation the crash cut off (eval at
+    step 2, never logged) still gets its point."""
+    from mlflow.tracking import MlflowClient
+
+    from vime_core.tracking import MlflowRun
+
+    first = MlflowRun(store, "resume-points", run_name="night")
+    for step in range(3):
+        first.log_metrics(step, {"rollout/raw_reward": step / 10})
+    resumed = MlflowRun(store, "resume-points", run_id=first.run_id)
+    resumed.log_metrics(2, {"rollout/raw_reward": 0.2})
+    resumed.log_metrics(2, {"eval/arith/pass@1": 0.5})
+    resumed.log_metrics(3, {"rollout/raw_reward": 0.3})
+    client = MlflowClient(tracking_uri=store)
+    reward = client.get_metric_history(first.run_id, "rollout/raw_reward")
+    assert sorted((m.step, m.value) for m in reward) == [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.3)]
+    assert [(m.step, m.value) for m in client.get_metric_history(first.run_id, "eval/arith/pass_at_1")] == [(2, 0.5)]
