@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import flows  # noqa: F401  (offline variables before Prefect loads)
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from prefect.states import Completed
+from prefect.states import Completed, Failed, State
 
 from tasks.common import artifact_key, cfg_of, markdown, tracking_retries, train_timeout
 from tasks.convert import convert_checkpoint
@@ -36,6 +36,7 @@ from tasks.register import export_hf, register_model
 from tasks.tracking import finish_tracking, start_tracking, tracking_target
 from tasks.train import start_fresh, train_grpo
 from vime_core.config import RunConfig, load_config
+from vime_core.errors import VimeError, one_line, user_error
 from vime_core.redact import redact
 from vime_core.runlock import output_dir_lock
 
@@ -57,7 +58,10 @@ def grpo_pipeline(
     # must still take Ray and the actors with it (idempotent: main() may have started it already)
     start_watchdog()
     logger = get_run_logger()
-    cfg = load_config(config_path, overrides or [])  # a bad config fails here, before any work
+    try:
+        cfg = load_config(config_path, overrides or [])  # a bad config fails here, before any work
+    except VimeError as e:
+        return refused(Path(config_path).stem, e)
     flow_run_id = flow_run.get_id()
     try:
         if nightly:
@@ -68,8 +72,10 @@ def grpo_pipeline(
         with output_dir_lock(cfg.output_dir, flow_run_id):
             summary = run_stages(cfg, flow_run_id, promote)
     except Exception as e:
-        report_failure(cfg.name, e)
-        raise
+        if user_error(e) is None:
+            report_failure(cfg.name, e)
+            raise  # not the user's: Prefect logs the traceback, as a bug report needs
+        return refused(cfg.name, e)
     if summary.get("nothing_trained"):
         markdown(
             "Nothing trained",
@@ -209,10 +215,17 @@ def already_registered(cfg: RunConfig, run_id: str | None, checkpoint: str) -> b
     return registered is not None and Path(registered).resolve() == Path(checkpoint).resolve()
 
 
+def refused(config_name: str, e: BaseException) -> State:
+    """A user error (a config typo, a busy output dir, a bad dataset) ends the run Failed with its one line as the
+    state's message: no traceback in the flow-run log or under `--watch`. The state carries the error, so calling the
+    flow (vime-pipeline) still raises it."""
+    user = user_error(e)
+    report_failure(config_name, user)
+    return Failed(message=one_line(user), data=user)
+
+
 def report_failure(config_name: str, e: BaseException) -> None:
     """One line for `--watch` users and the flow-run logs, and a "Pipeline failed" artifact in the UI."""
-    from vime_core.errors import one_line
-
     line = one_line(e)
     get_run_logger().error(f"pipeline failed: {line}")
     flush_logs()
@@ -268,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     parser.add_argument("--debug", action="store_true", help="Show the traceback of an error (also VIME_DEBUG=1).")
     args = parser.parse_args(argv)
-    from vime_core.errors import VimeError, debug_requested, one_line
+    from vime_core.errors import debug_requested
     from vime_core.orphans import start_watchdog
 
     start_watchdog()  # a SIGKILLed pipeline takes its temporary Prefect server, Ray and the actors with it
@@ -276,9 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         summary = grpo_pipeline(args.config, args.overrides)
     except Exception as e:
-        cause = getattr(e, "cause", None)  # an error raised inside a Ray actor
-        user = cause if isinstance(cause, VimeError) else e
-        if args.debug or debug_requested([]) or not isinstance(user, VimeError):
+        user = user_error(e)
+        if args.debug or debug_requested([]) or user is None:
             raise
         print(f"{one_line(user)}  (--debug shows the traceback)", file=sys.stderr)
         return user.exit_code

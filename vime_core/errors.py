@@ -55,6 +55,13 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
+def user_error(e: BaseException) -> VimeError | None:
+    """The user error behind `e` (itself, or the VimeError a Ray actor raised and Ray wrapped), or None."""
+    cause = getattr(e, "cause", None)
+    user = cause if isinstance(cause, VimeError) else e
+    return user if isinstance(user, VimeError) else None
+
+
 def debug_requested(argv: list[str]) -> bool:
     """`--debug` on the command line or VIME_DEBUG=1: show tracebacks of user errors too."""
     return "--debug" in argv or os.environ.get("VIME_DEBUG", "") not in ("", "0")

@@ -64,3 +64,25 @@ def test_vime_pipeline_user_errors_are_one_line_and_exit_2(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "rollout.temperature" in lines[0] and "train.nonsense: unknown key" in lines[0]
+
+
+def test_a_deployment_run_with_a_config_typo_ends_failed_in_one_line(tmp_path):
+    """A worker runs the flow body without vime-pipeline's early config check: the typo ends the flow run Failed with
+    the error's one line as its state message, and no traceback in its log (what `--watch` streams)."""
+    code = (
+        "from flows.grpo_pipeline import grpo_pipeline\n"
+        "state = grpo_pipeline('configs/tiny-cpu.yaml', ['train.nonsense=1'], return_state=True)\n"
+        "print('STATE', state.type.value, state.message)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env={**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "VIME_DEBUG": ""},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    (state,) = [line for line in r.stdout.splitlines() if line.startswith("STATE ")]
+    assert state.startswith("STATE FAILED ConfigError: ") and "train.nonsense: unknown key" in state, state
+    assert "pipeline failed: ConfigError: " in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
