@@ -50,10 +50,10 @@ def find_logged_model(client, experiment_id: str, digest: str) -> str | None:
     return ready[0] if ready else None
 
 
-def log_policy_model(client, run_id: str, export_dir: Path, digest: str, inline: bool) -> str:
+def log_policy_model(client, run_id: str, export_dir: Path, digest: str, reference_bytes: int | None = None) -> str:
     """Log `export_dir` (an HF checkpoint) as a pyfunc policy model of run `run_id`; return its model id.
-    `inline=False` (a large export in a store on this machine): the model holds a reference to the directory
-    instead of a copy, as the run artifacts did before."""
+    `reference_bytes` (the export's size, for a large export in a store on this machine): the model holds a
+    reference to the directory instead of a copy of its files."""
     import mlflow
     from mlflow.entities import LoggedModelOutput, LoggedModelStatus
     from mlflow.models import Model
@@ -67,12 +67,11 @@ def log_policy_model(client, run_id: str, export_dir: Path, digest: str, inline:
         )
         model_id = logged.model_id
         with tempfile.TemporaryDirectory() as tmp:
-            if inline:
+            if reference_bytes is None:
                 artifacts = {"weights": str(export_dir)}
             else:
                 ref = Path(tmp) / "weights.ref.json"
-                size = sum(f.stat().st_size for f in export_dir.rglob("*") if f.is_file())
-                ref.write_text(json.dumps({"path": str(export_dir.resolve()), "bytes": size}, indent=2))
+                ref.write_text(json.dumps({"path": str(export_dir.resolve()), "bytes": reference_bytes}, indent=2))
                 artifacts = {"weights_ref": str(ref)}
             local = Path(tmp) / "model"
             meta = Model(artifact_path=logged.artifact_location, run_id=run_id, model_id=model_id)
@@ -124,8 +123,8 @@ def register_policy(
     """Log `export_dir` (weights sha256 `digest`) as run `run_id`'s policy model and register it as a version of
     `name` (tracking.register_model's champion rule). A retry reuses the logged model and the version."""
     size = sum(f.stat().st_size for f in export_dir.rglob("*") if f.is_file())
-    inline = is_server(uri) or size <= INLINE_LIMIT
-    model_id = log_policy_model(mlflow_client(uri), run_id, export_dir, digest, inline)
+    by_reference = not is_server(uri) and size > INLINE_LIMIT
+    model_id = log_policy_model(mlflow_client(uri), run_id, export_dir, digest, size if by_reference else None)
     tags = {WEIGHTS_TAG: digest, **(tags or {})}
     info = register_model(uri, name, run_id, model_id, metric, value, tags=tags, reuse_tag=WEIGHTS_TAG, promote=promote)
     return {"model_id": model_id, **info}

@@ -198,11 +198,10 @@ class MlflowRun:
                 raise TrackingError(f"MLflow run {run_id} was deleted; cannot continue it")
             self.client.update_run(run_id, status="RUNNING")
             self.run_id = run_id
-            self.logged_through = {
-                key: max(m.step for m in self.client.get_metric_history(run_id, key)) for key in run.data.metrics
-            }
+            # read on the first log_metrics: most continued runs only set tags or end the run
+            self.logged_through: dict[str, int] | None = None
         else:
-            self.logged_through: dict[str, int] = {}
+            self.logged_through = {}
             exp = self.client.get_experiment_by_name(experiment)
             if exp is None:
                 location = artifact_root.resolve().as_uri() + f"/{experiment}" if artifact_root else None
@@ -222,6 +221,11 @@ class MlflowRun:
         from mlflow.entities import Metric
 
         ts = timestamp_ms or int(time.time() * 1000)
+        if self.logged_through is None:
+            run = self.client.get_run(self.run_id)
+            self.logged_through = {
+                key: max(m.step for m in self.client.get_metric_history(self.run_id, key)) for key in run.data.metrics
+            }
         batch = [
             Metric(mlflow_key(k), float(v), ts, step)
             for k, v in metrics.items()
