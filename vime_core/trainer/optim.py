@@ -170,6 +170,8 @@ class MegatronOptimizer(OptimizerAdapter):
             for st in part.optimizer.state.values():
                 if torch.is_tensor(st.get("step")):
                     st["step"] = st["step"].clone()
+            if hasattr(part.optimizer, "sub_optimizers"):  # HybridDeviceOptimizer
+                place_beside_params(part.optimizer.sub_optimizers)
 
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
@@ -212,6 +214,24 @@ def bucket_elements(dist_optimizer) -> list[dict]:
             for bucket in buckets:
                 out.extend(bucket)
     return out
+
+
+def place_beside_params(optimizers) -> None:
+    """Every optimizer state tensor on its parameter's device (`step` too where the group is fused or capturable,
+    as torch's own loader places it). megatron-core 0.16.1's HybridDeviceOptimizer, after loading a state, moves the
+    state of every sub-optimizer of its CPU optimizer's class to the host; without Transformer Engine or Apex its
+    GPU half is of that same class (torch AdamW), so the GPU half's moments landed on the host and its first fused
+    step failed ("exp_avgs is on cpu"). The sub-optimizers' state dicts are the hybrid optimizer's own, so one pass
+    fixes both views."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            step_on_device = bool(group.get("fused") or group.get("capturable"))
+            for p in group["params"]:
+                st = opt.state.get(p, {})
+                for k, v in st.items():
+                    dev = p.device if (k != "step" or step_on_device) else torch.device("cpu")
+                    if torch.is_tensor(v) and v.device != dev:
+                        st[k] = v.to(dev)
 
 
 def make_optimizer(
