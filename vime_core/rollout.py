@@ -150,6 +150,16 @@ def engine_kwargs(opts: EngineOptions) -> dict[str, Any]:
     return kwargs
 
 
+def routed_experts_runner_env(vllm_version: str) -> dict[str, str]:
+    """The environment that picks the vLLM model runner able to return routed experts (rollout.routing_replay).
+    vLLM 0.26 (the GPU build we run) captures them in its V1 GPU runner and refuses them in V2 ("Model Runner V2 does
+    not yet support: routed experts capture"); 0.32 returns them from V2 only ("AuxOutput Connector requires Model
+    Runner V2"). Versions between were not tried; they get 0.26's default."""
+    from packaging.version import Version
+
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1"} if Version(vllm_version).release >= (0, 32) else {}
+
+
 class VLLMEngine:
     """A vLLM `LLM` in this process. Run it as a Ray actor (see cluster.py); usable directly in tests."""
 
@@ -162,8 +172,11 @@ class VLLMEngine:
         if opts.platform == "cpu":
             # in-process engine core: starts in seconds instead of ~30 s and needs no extra process
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if opts.routing_replay:  # vLLM 0.32 returns routed experts from its V2 model runner only
-            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+        if opts.routing_replay:
+            from importlib.metadata import version
+
+            for key, value in routed_experts_runner_env(version("vllm")).items():
+                os.environ.setdefault(key, value)
         from vllm import LLM
 
         quiet_vllm()  # again: vLLM's own handler exists now

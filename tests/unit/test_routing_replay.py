@@ -85,3 +85,18 @@ def test_carried_rollouts_keep_routed_experts_through_a_checkpoint(tmp_path):
     (back,) = read_inflight(tmp_path, {"inflight_rollouts": ids})
     got = back.groups[0][0].routed_experts
     assert got.dtype == np.int16 and np.array_equal(got, routed)
+
+
+@pytest.mark.parametrize(
+    "version, env",
+    [
+        ("0.26.0", {}),
+        ("0.31.2", {}),
+        ("0.32.0", {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
+        ("0.33.1rc1", {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
+    ],
+)
+def test_routed_experts_come_from_the_runner_that_returns_them(version, env):
+    from vime_core.rollout import routed_experts_runner_env
+
+    assert routed_experts_runner_env(version) == env
