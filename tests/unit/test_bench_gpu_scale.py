@@ -363,6 +363,23 @@ def test_the_8b_bench_runs_the_shipped_config_under_the_bench_shape(gs, gc, tmp_
     assert cfg.eval.datasets == [] and cfg.num_steps_per_rollout == 1
 
 
+# --- the MoE shapes (issue 25): Qwen3-30B-A3B's layers at full width on one GPU ----------------------------------------
+@pytest.mark.parametrize("shape,layers", [("30b-a3b-6l", 6), ("30b-a3b-48l", 48), ("tiny-moe", 2)])
+def test_moe_shapes_parse(gs, rp, shape, layers):
+    assert gs.parse(["--shape", shape]).shape == shape
+    c = rp.hf_config(shape)
+    assert c["num_hidden_layers"] == layers and c["model_type"] == "qwen3_moe"
+    assert c["architectures"] == ["Qwen3MoeForCausalLM"] and rp.is_moe_shape(shape)
+
+
+@pytest.mark.parametrize("shape", ["30b-a3b-0l", "30b-a3b-49l", "30b-a3b-06l", "30b-a3b-6", "30b-a3b", "32b-6l", "moe"])
+def test_a_bad_shape_is_refused_in_one_line(gs, capsys, shape):
+    with pytest.raises(SystemExit):
+        gs.parse(["--shape", shape])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"unknown shape '{shape}'" in err[-1] and "30b-a3b-<L>l" in err[-1]
+
+
 def test_the_30b_a3b_shape_has_the_public_config_values(rp):
     c = rp.hf_config("30b-a3b-6l")
     want = dict(
@@ -384,6 +401,17 @@ def test_the_30b_a3b_shape_has_the_public_config_values(rp):
     )
     assert {k: c[k] for k in want} == want
     assert not rp.is_moe_shape("8b") and not rp.is_moe(rp.hf_config("8b"))
+
+
+def test_moe_phases_are_refused_for_a_dense_shape(gs, capsys):
+    with pytest.raises(SystemExit):
+        gs.parse(["--shape", "1.7b", "--only", "loop,loop_r3"])
+    assert "shape 1.7b is dense" in capsys.readouterr().err
+    assert gs.parse(["--shape", "30b-a3b-6l", "--only", "loop_sequential,loop_r3,hf_eager"]).only == [
+        "loop_sequential",
+        "loop_r3",
+        "hf_eager",
+    ]
 
 
 def test_moe_param_count_matches_transformers(rp):
@@ -504,3 +532,47 @@ def test_dense_summaries_have_no_moe_keys(rp):
     s = rp.summarize(_doc([{"perf/actor_train_tok_per_s": 1.0}], [], []))
     assert "sequential_mlp_tok_s" not in s and "mfu_active" not in s
     assert list(s["done_when"]) == [label for label, *_ in rp.DONE_WHEN]
+
+
+def _moe_cfg(gs, gc, tmp_path, phase, extra=()):
+    args = gs.parse(["--shape", "30b-a3b-11l", *extra])
+    kept, dropped = gc.filter_overrides(gc.loop_overrides(args, tmp_path / "m", tmp_path / "run", phase))
+    assert dropped == []
+    return load_config(args.config, kept)
+
+
+@pytest.mark.parametrize(
+    "phase,grouped,replay", [("loop", True, False), ("loop_sequential", False, False), ("loop_r3", True, True)]
+)
+def test_each_moe_loop_phase_means_one_thing(gs, gc, tmp_path, phase, grouped, replay):
+    # --set cannot turn a phase into another: the phase's own settings come last
+    cfg = _moe_cfg(gs, gc, tmp_path, phase, ["--set", f"train.moe_grouped_gemm={str(not grouped).lower()}"])
+    assert cfg.train.moe_grouped_gemm is grouped and cfg.rollout.routing_replay is replay
+    assert cfg.train.num_devices == 1 and cfg.cluster.colocate and cfg.rollout.gpu_memory_utilization == 0.5
+    assert cfg.cluster.engine_sleep_level == 2 and not cfg.train.optimizer_cpu_offload
+
+
+def test_the_shipped_moe_config_runs_on_one_gpu_under_the_bench(gs, gc, tmp_path):
+    """--config configs/qwen3-30b-a3b.yaml (8 GPUs, EP 8, two TP-4 engines) with the bench's one-GPU settings on top."""
+    from vime_core.models import arch_from_hf_config, check_model_compat
+
+    rp = load_bench("gpu_scale_report")
+    cfg = _moe_cfg(gs, gc, tmp_path, "loop", ["--config", str(REPO / "configs" / "qwen3-30b-a3b.yaml")])
+    t, r = cfg.train, cfg.rollout
+    assert (t.num_devices, t.tensor_parallel_size, t.expert_parallel_size) == (1, 1, 1)
+    assert (r.num_engines, r.engine_tensor_parallel_size, r.gpu_memory_utilization) == (1, 1, 0.5)
+    assert t.global_batch_size == 128 and cfg.eval.datasets == []
+    check_model_compat(cfg, arch_from_hf_config(rp.hf_config("30b-a3b-11l")))
+
+
+def test_dry_run_of_an_moe_shape_runs_both_transformers_baselines(gs, rp, tmp_path):
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    argv = ["--dry-run", "--shape", "30b-a3b-6l", "--prompts", "2", "--samples", "2", "--response-len", "8"]
+    assert gs.main(argv + ["--steps", "2", "--out", str(out), "--cache", str(cache)]) == 0
+    doc = json.loads((out / "tiny-moe-8.json").read_text())
+    hf, eager = doc["phases"]["hf"], doc["phases"]["hf_eager"]
+    assert len(hf["steps"]) == len(eager["steps"]) == 2 and doc["hf_tok_s"] == hf["steps"][1]["tok_s"] > 0
+    assert (hf["experts_implementation"], eager["experts_implementation"]) == ("grouped_mm", "eager")
+    built = json.loads((cache / "models" / "qwen3-tiny-moe-random" / "vime_bench_model.json").read_text())
+    assert doc["params"] == built["params"] and doc["active_params"] == rp.active_params(rp.hf_config("tiny-moe"))
+    assert "train.moe_grouped_gemm=true" in doc["phases"]["loop"]["overrides"]
