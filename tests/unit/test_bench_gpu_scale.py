@@ -565,6 +565,19 @@ def test_the_shipped_moe_config_runs_on_one_gpu_under_the_bench(gs, gc, tmp_path
     check_model_compat(cfg, arch_from_hf_config(rp.hf_config("30b-a3b-11l")))
 
 
+def test_the_documented_moe_shape_is_the_largest_the_fit_check_accepts(gs):
+    """bench/README.md runs 30b-a3b-11l: the fit check (vime_core/fit.py) accepts 11 layers on an H200 (139.8 GiB)
+    with 125 GiB of host memory at 16 x 8 x 4,096, and refuses 12 (trainer and host)."""
+    fit = load_bench("gpu_scale_fit")
+    best, plans = fit.largest_moe_layers(gs.parse(["--shape", "30b-a3b-6l"]))
+    assert best == 11
+    by_shape = {(p["shape"], p["phase"]): p for p in plans}
+    assert all(by_shape[("30b-a3b-11l", ph)]["fits"] for ph in ("loop", "loop_sequential", "loop_r3"))
+    refused = by_shape[("30b-a3b-12l", "loop")]
+    assert not refused["fits"] and "trainer needs" in refused["problem"] and "host memory" in refused["problem"]
+    assert best >= 6  # the issue's floor
+
+
 def test_dry_run_of_an_moe_shape_runs_both_transformers_baselines(gs, rp, tmp_path):
     out, cache = tmp_path / "out", tmp_path / "cache"
     argv = ["--dry-run", "--shape", "30b-a3b-6l", "--prompts", "2", "--samples", "2", "--response-len", "8"]
