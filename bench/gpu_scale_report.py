@@ -1,9 +1,11 @@
-"""The pure part of bench/gpu_scale.py: the Qwen3 shape table, FLOP/MFU math, medians, micro-batch packing, and the
-summary (medians, ratios, the issue's Done-when checks) of the phase records merged into one result document.
-No torch, no vime_core: tests/unit/test_bench_gpu_scale.py loads it alone."""
+"""The pure part of bench/gpu_scale.py: the Qwen3 and Qwen3-MoE shape table, FLOP/MFU math, medians, micro-batch
+packing, and the summary (medians, ratios, the issues' Done-when checks) of the phase records merged into one result
+document. No torch, no vime_core: tests/unit/test_bench_gpu_scale.py loads it alone."""
 
 from __future__ import annotations
 
+import operator
+import re
 import statistics
 
 H200_BF16_PEAK = 989e12
@@ -44,7 +46,41 @@ SHAPES = {  # public config.json values of Qwen/Qwen3-1.7B, -4B, -8B; `tiny` is 
         vocab_size=512,
         max_position_embeddings=2048,
     ),
+    "tiny-moe": dict(  # the CPU smoke shape of the MoE path: untied like Qwen3-30B-A3B, expert rows of 16 bytes in fp32
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=384,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        vocab_size=512,
+        max_position_embeddings=2048,
+    ),
 }
+# Qwen/Qwen3-30B-A3B's public config.json values; the bench builds its first L of 48 layers (30b-a3b-<L>l), every
+# layer at full width, so that one GPU holds them beside vLLM
+QWEN3_30B_A3B = dict(
+    hidden_size=2048,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    intermediate_size=6144,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    tie_word_embeddings=False,
+)
+MOE_LAYERS = 48
+MOE_SHAPE = re.compile(r"30b-a3b-([1-9]\d*)l")
 DONE_WHEN = (  # the 1.7B and 4B shapes: (label, key, op, other key or constant, factor)
     ("trainer_tok_s >= 1.2 x hf_sdpa_tok_s", "trainer_tok_s", ">=", "hf_sdpa_tok_s", 1.2),
     ("trainer_peak_gib <= 60", "trainer_peak_gib", "<=", None, 60.0),
@@ -60,12 +96,55 @@ DONE_WHEN_8B = (  # Qwen3-8B on one GPU against vime's run on two MI355X (~4,100
 )
 
 
+DONE_WHEN_MOE = (  # Qwen3-30B-A3B layers on one GPU (issue 25)
+    ("rollout_tok_per_gpu_s >= 0.95 x raw_vllm_tok_s", "rollout_tok_per_gpu_s", ">=", "raw_vllm_tok_s", 0.95),
+    ("trainer_tok_s >= 2 x sequential_mlp_tok_s", "trainer_tok_s", ">=", "sequential_mlp_tok_s", 2.0),
+    ("trainer_tok_s >= 1.0 x hf_tok_s", "trainer_tok_s", ">=", "hf_tok_s", 1.0),
+    ("logprob_abs_diff_r3 < logprob_abs_diff_no_r3", "logprob_abs_diff_r3", "<", "logprob_abs_diff_no_r3", 1.0),
+)
+OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt}
+LOGPROB_DIFF = "train/train_rollout_logprob_abs_diff"
+# vime_core.metrics.ROUTING_METRICS: what the trainer logs with rollout.routing_replay (the test checks the names)
+ROUTING_AGREEMENT, LOGPROB_DIFF_NO_REPLAY = "train/routing_agreement", "train/train_rollout_logprob_abs_diff_no_replay"
+
+
+def shape_params(shape: str) -> dict:
+    """config.json values of a shape: a SHAPES entry or 30b-a3b-<L>l. ValueError, naming the valid shapes, else."""
+    if shape in SHAPES:
+        return {**QWEN3, **SHAPES[shape]}
+    m = MOE_SHAPE.fullmatch(shape)
+    if m and 1 <= int(m.group(1)) <= MOE_LAYERS:
+        return {**QWEN3, **QWEN3_30B_A3B, "num_hidden_layers": int(m.group(1))}
+    raise ValueError(
+        f"unknown shape {shape!r}: use one of {', '.join(SHAPES)} or 30b-a3b-<L>l (Qwen3-30B-A3B's first L layers, "
+        f"1 <= L <= {MOE_LAYERS}, e.g. 30b-a3b-6l)"
+    )
+
+
+def num_experts(c: dict) -> int:
+    """Experts per MoE layer, 0 for a dense model. transformers 5 saves `num_experts` as `num_local_experts`."""
+    return int(c.get("num_experts") or c.get("num_local_experts") or 0)
+
+
+def is_moe(c: dict) -> bool:
+    return num_experts(c) > 0
+
+
+def is_moe_shape(shape: str | None) -> bool:
+    try:
+        return is_moe(shape_params(shape or ""))
+    except ValueError:
+        return False
+
+
 def hf_config(shape: str, eos_token_id: int = 2, pad_token_id: int = 0) -> dict:
-    c = {**QWEN3, **SHAPES[shape]}
+    c = shape_params(shape)
+    moe = is_moe(c)
     return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+        "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
+        "model_type": "qwen3_moe" if moe else "qwen3",
         **c,
+        **({"output_router_logits": False, "router_aux_loss_coef": 0.001} if moe else {}),
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -81,10 +160,18 @@ def hf_config(shape: str, eos_token_id: int = 2, pad_token_id: int = 0) -> dict:
     }
 
 
-def layer_params(c: dict) -> int:
+def attention_params(c: dict) -> int:
     h, d = c["hidden_size"], c["head_dim"]
-    attn = h * c["num_attention_heads"] * d * 2 + h * c["num_key_value_heads"] * d * 2  # q, o; k, v
-    return attn + 3 * h * c["intermediate_size"] + 2 * h + 2 * d  # gate/up/down; two RMSNorms; q/k norms
+    return h * c["num_attention_heads"] * d * 2 + h * c["num_key_value_heads"] * d * 2  # q, o; k, v
+
+
+def layer_params(c: dict) -> int:
+    h = c["hidden_size"]
+    if is_moe(c):  # every expert's gate/up/down and the router
+        mlp = num_experts(c) * (3 * h * c["moe_intermediate_size"] + h)
+    else:
+        mlp = 3 * h * c["intermediate_size"]  # gate/up/down
+    return attention_params(c) + mlp + 2 * h + 2 * c["head_dim"]  # two RMSNorms; q/k norms
 
 
 def param_count(c: dict) -> int:
@@ -93,24 +180,42 @@ def param_count(c: dict) -> int:
 
 
 def matmul_params(c: dict) -> int:
-    """Parameters that take part in a matmul per token: the layers and the LM head (the embedding is a lookup)."""
+    """Parameters that take part in a matmul: the layers and the LM head (the embedding is a lookup). For an MoE,
+    every expert's: a token uses only `active_params`."""
     return c["num_hidden_layers"] * layer_params(c) + c["vocab_size"] * c["hidden_size"]
 
 
-def step_flops(c: dict, seq_lens: list[float], passes: int = 4) -> float:
-    """Model FLOPs of a GRPO step over sequences of these lengths. One pass (a forward) costs 2 x matmul params per
+def active_params(c: dict) -> int:
+    """MoE: the matmul parameters one token uses: per layer attention, the router and its top-k experts (gate, up,
+    down), then the LM head. Norms are not matmuls."""
+    h = c["hidden_size"]
+    experts = c["num_experts_per_tok"] * 3 * h * c["moe_intermediate_size"]
+    layer = attention_params(c) + h * num_experts(c) + experts
+    return c["num_hidden_layers"] * layer + c["vocab_size"] * h
+
+
+def flop_params(c: dict) -> int:
+    """The parameters a token's forward multiplies with: all matmul parameters of a dense model, the active ones of
+    an MoE (MFU over every expert would count work that no token asks for)."""
+    return active_params(c) if is_moe(c) else matmul_params(c)
+
+
+def step_flops(c: dict, seq_lens: list[float], passes: float = 4) -> float:
+    """Model FLOPs of a GRPO step over sequences of these lengths. One pass (a forward) costs 2 x `flop_params` per
     token plus causal attention 2 x s x layers x heads x head_dim per token (QK^T and AV, halved by the mask);
     backward = 2 passes; 4 = no-grad forward for the old log-probs + forward/backward. Recompute is not counted."""
     attn = 2 * c["num_hidden_layers"] * c["num_attention_heads"] * c["head_dim"]
-    return passes * sum(2 * matmul_params(c) * s + attn * s * s for s in seq_lens)
+    return passes * sum(2 * flop_params(c) * s + attn * s * s for s in seq_lens)
 
 
-def loop_passes(old_logprobs: str, steps_per_rollout: int) -> float:
+def loop_passes(old_logprobs: str, steps_per_rollout: int, routing_replay: bool = False) -> float:
     """Passes per trained sample that the loop's trainer runs: forward + backward (3), plus the no-grad old-log-prob
-    forward over the samples it covers: with train.old_logprobs auto, all but the first optimizer step's."""
+    forward over the samples it covers (with train.old_logprobs auto, all but the first optimizer step's), plus, with
+    rollout.routing_replay, the no-grad forward without replay that measures routing agreement (all samples)."""
+    extra = 1.0 if routing_replay else 0.0
     if old_logprobs == "forward":
-        return 4.0
-    return 3.0 + (steps_per_rollout - 1) / steps_per_rollout
+        return 4.0 + extra
+    return 3.0 + (steps_per_rollout - 1) / steps_per_rollout + extra
 
 
 def mfu(flops: float, seconds: float, peak: float = H200_BF16_PEAK) -> float | None:
@@ -143,10 +248,15 @@ def pack(lengths: list[int], budget: int) -> list[list[int]]:
     return out
 
 
+def column(doc: dict, phase: str, key: str) -> list:
+    """One metric of a phase, step by step (None where a step lacks it)."""
+    return [r.get(key) for r in doc.get("phases", {}).get(phase, {}).get("steps", [])]
+
+
 def summarize(doc: dict) -> dict:
     """The issue's keys (medians over steps after the first), ratios and Done-when checks from the phase records."""
     ph = doc.get("phases", {})
-    col = lambda name, key: [r.get(key) for r in ph.get(name, {}).get("steps", [])]  # noqa: E731
+    col = lambda name, key: column(doc, name, key)  # noqa: E731
     rollout, raw = matched_steps(col("loop", "perf/tokens_per_gpu_per_sec"), col("vllm", "tok_s"))
     _, raw_sleep = matched_steps(col("loop", "perf/tokens_per_gpu_per_sec"), col("vllm_sleep", "tok_s"))
     trainer, hf = matched_steps(col("loop", "perf/actor_train_tok_per_s"), col("hf", "tok_s"))
@@ -160,7 +270,7 @@ def summarize(doc: dict) -> dict:
         "hf_sdpa_peak_gib": median_after_first(col("hf", "peak_gib")),
         "sync_s": median_after_first(col("loop", "perf/update_weights_time")),
         "step_s": median_after_first(col("loop", "perf/step_time")),
-        "logprob_abs_diff": median_after_first(col("loop", "train/train_rollout_logprob_abs_diff")),
+        "logprob_abs_diff": median_after_first(col("loop", LOGPROB_DIFF)),
         "mfu": median_after_first(col("loop", "bench/mfu")),
         "host_peak_gib": ph.get("loop", {}).get("host_used_peak_gib"),  # the machine's, psutil `used`, whole phase
         "optimizer_step_s": median_after_first(col("loop", "perf/optimizer_step_time")),
@@ -176,27 +286,72 @@ def summarize(doc: dict) -> dict:
         "loop_train_tokens": median_after_first(col("loop", "bench/train_tokens")),
         "hf_sdpa_train_tokens": median_after_first(col("hf", "tokens")),
     }
-    loop = ph.get("loop", {})
     s["kv_cache_tokens"] = kv_cache_tokens(doc)
+    peak = trainer_peak(ph.get("loop", {}))
+    if peak:
+        s["trainer_peak_gib"], s["trainer_peak_source"] = peak
+    s["ratios"] = {
+        "trainer_vs_hf_sdpa": ratio(s, "trainer_tok_s", "hf_sdpa_tok_s"),
+        "rollout_vs_raw_vllm": ratio(s, "rollout_tok_per_gpu_s", "raw_vllm_tok_s"),
+        "raw_vllm_sleep_mode_vs_raw_vllm": ratio(s, "raw_vllm_sleep_mode_tok_s", "raw_vllm_tok_s"),
+        "trainer_peak_vs_hf_sdpa_peak": ratio(s, "trainer_peak_gib", "hf_sdpa_peak_gib"),
+    }
+    checks = DONE_WHEN_8B if doc.get("shape") == "8b" else DONE_WHEN
+    if is_moe_shape(doc.get("shape")):
+        s.update(moe_summary(doc, s))
+        s["ratios"].update(
+            trainer_vs_sequential_mlp=ratio(s, "trainer_tok_s", "sequential_mlp_tok_s"),
+            hf_vs_hf_eager=ratio(s, "hf_tok_s", "hf_eager_tok_s"),
+        )
+        checks = DONE_WHEN_MOE
+    s["done_when"] = done_when(s, checks)
+    return s
+
+
+def ratio(s: dict, a: str, b: str) -> float | None:
+    return s[a] / s[b] if s.get(a) is not None and s.get(b) else None
+
+
+def done_when(s: dict, checks: tuple) -> dict:
+    """label -> whether the summary passes the check; None where a value is missing (a phase did not run)."""
+    out = {}
+    for label, a, op, b, f in checks:
+        x, y = s.get(a), (s.get(b) if b else 1.0)
+        out[label] = None if x is None or y is None else OPS[op](x, f * y)
+    return out
+
+
+def trainer_peak(loop: dict) -> tuple[float | None, str] | None:
+    """(the loop trainer's peak GiB, where it comes from), or None where the phase recorded none."""
     keys = trainer_peak_keys(loop.get("steps", []))
     if keys:  # per-step trainer peaks (e.g. perf/trainer_peak_gib, perf/trainer_logprobs_peak_gib): the step's max
         per_step = [max((r[k] for k in keys if r.get(k) is not None), default=None) for r in loop["steps"]]
-        s["trainer_peak_gib"], s["trainer_peak_source"] = median_after_first(per_step), "max of " + ", ".join(keys)
-    elif loop.get("trainer_info"):
-        s["trainer_peak_gib"] = max(i.get("max_gpu_mem_gib", 0.0) for i in loop["trainer_info"])
-        s["trainer_peak_source"] = "trainer_info.max_gpu_mem_gib (torch allocator peak of the trainer over the run)"
-    div = lambda a, b: s[a] / s[b] if s.get(a) is not None and s.get(b) else None  # noqa: E731
-    s["ratios"] = {
-        "trainer_vs_hf_sdpa": div("trainer_tok_s", "hf_sdpa_tok_s"),
-        "rollout_vs_raw_vllm": div("rollout_tok_per_gpu_s", "raw_vllm_tok_s"),
-        "raw_vllm_sleep_mode_vs_raw_vllm": div("raw_vllm_sleep_mode_tok_s", "raw_vllm_tok_s"),
-        "trainer_peak_vs_hf_sdpa_peak": div("trainer_peak_gib", "hf_sdpa_peak_gib"),
+        return median_after_first(per_step), "max of " + ", ".join(keys)
+    if loop.get("trainer_info"):
+        peak = max(i.get("max_gpu_mem_gib", 0.0) for i in loop["trainer_info"])
+        return peak, "trainer_info.max_gpu_mem_gib (torch allocator peak of the trainer over the run)"
+    return None
+
+
+def moe_summary(doc: dict, s: dict) -> dict:
+    """The MoE keys: the loop's variants (SequentialMLP experts, routing replay), the transformers baselines (the
+    grouped_mm and eager experts) and the active-parameter MFU, each a median over steps after the first."""
+    col = lambda name, key: column(doc, name, key)  # noqa: E731
+    trainer = col("loop", "perf/actor_train_tok_per_s")
+    return {
+        "sequential_mlp_tok_s": median_after_first(
+            matched_steps(trainer, col("loop_sequential", "perf/actor_train_tok_per_s"))[1]
+        ),
+        "hf_tok_s": s["hf_sdpa_tok_s"],
+        "hf_eager_tok_s": median_after_first(matched_steps(trainer, col("hf_eager", "tok_s"))[1]),
+        "hf_experts_implementation": doc.get("phases", {}).get("hf", {}).get("experts_implementation"),
+        "mfu_active": s["mfu"],  # the loop's MFU: an MoE's model FLOPs count its active parameters (flop_params)
+        "logprob_abs_diff_r3": median_after_first(col("loop_r3", LOGPROB_DIFF)),
+        "logprob_abs_diff_no_r3": s["logprob_abs_diff"],
+        # loop_r3's own no-grad forward without replay: the same samples as logprob_abs_diff_r3
+        "logprob_abs_diff_no_r3_same_samples": median_after_first(col("loop_r3", LOGPROB_DIFF_NO_REPLAY)),
+        "routing_agreement": median_after_first(col("loop_r3", ROUTING_AGREEMENT)),
     }
-    s["done_when"] = {}
-    for label, a, op, b, f in DONE_WHEN_8B if doc.get("shape") == "8b" else DONE_WHEN:
-        x, y = s.get(a), (s.get(b) if b else 1.0)
-        s["done_when"][label] = None if x is None or y is None else (x >= f * y if op == ">=" else x <= f * y)
-    return s
 
 
 def kv_cache_tokens(doc: dict) -> dict:
@@ -243,6 +398,15 @@ SUMMARY_KEYS = {
     "kv_cache_tokens",
     "ratios",
     "done_when",
+    "sequential_mlp_tok_s",
+    "hf_tok_s",
+    "hf_eager_tok_s",
+    "hf_experts_implementation",
+    "mfu_active",
+    "logprob_abs_diff_r3",
+    "logprob_abs_diff_no_r3",
+    "logprob_abs_diff_no_r3_same_samples",
+    "routing_agreement",
 }
 
 
