@@ -23,6 +23,7 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field, replace
+from importlib.metadata import version
 from typing import Any
 
 from vime_core.aio import run_sync
@@ -173,8 +174,6 @@ class VLLMEngine:
             # in-process engine core: starts in seconds instead of ~30 s and needs no extra process
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if opts.routing_replay:
-            from importlib.metadata import version
-
             for key, value in routed_experts_runner_env(version("vllm")).items():
                 os.environ.setdefault(key, value)
         from vllm import LLM
