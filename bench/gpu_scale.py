@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_monitor import DeviceMonitor, annotate_steps, gpu_sample, step_lines  # noqa: E402
 from gpu_scale_fit import DEVICE_GIB, HOST_GIB, fit_report  # noqa: E402
+from gpu_scale_history import append_history  # noqa: E402
 from gpu_scale_report import (  # noqa: E402
     H200_BF16_PEAK,
     active_params,
@@ -303,6 +304,9 @@ def print_summary(doc: dict) -> None:
     print(f"[gpu_scale] done-when: {json.dumps(doc['done_when'])}", flush=True)
 
 
+HISTORY_FILE = "history.csv"  # beside the result files: one row per merged run (gpu_scale_history.py)
+
+
 def merge_main(args) -> int:
     """Fold the phases of result files from several device calls into --out (newest record of a phase wins)."""
     out = Path(args.out)
@@ -317,6 +321,7 @@ def merge_main(args) -> int:
             hdr = {k: v for k, v in d.items() if k in HEADER_KEYS}
             path.write_text(json.dumps(merge_phase(cur, hdr, phase, rec), indent=1, default=str))
         print_summary(json.loads(path.read_text()))
+        append_history(out / HISTORY_FILE, json.loads(path.read_text()))
     return 0
 
 

@@ -589,3 +589,24 @@ def test_dry_run_of_an_moe_shape_runs_both_transformers_baselines(gs, rp, tmp_pa
     built = json.loads((cache / "models" / "qwen3-tiny-moe-random" / "vime_bench_model.json").read_text())
     assert doc["params"] == built["params"] and doc["active_params"] == rp.active_params(rp.hf_config("tiny-moe"))
     assert "train.moe_grouped_gemm=true" in doc["phases"]["loop"]["overrides"]
+
+
+def test_history_keeps_one_row_per_run_and_one_header(tmp_path):
+    append_history = load_bench("gpu_scale_history").append_history
+    path = tmp_path / "history.csv"
+    doc = {
+        "shape": "8b",
+        "response_len": 4096,
+        "prompts": 16,
+        "samples": 8,
+        "phases": {"loop": {"started_at": "2026-12-03T08:55:23Z"}},
+        "trainer_tok_s": 8762.06,
+        "mfu": None,
+    }
+    assert append_history(path, doc) is True
+    assert append_history(path, doc) is False  # the same run merged again
+    later = {**doc, "phases": {"loop": {"started_at": "2026-12-04T01:00:00Z"}}, "trainer_tok_s": 9000.0}
+    assert append_history(path, later) is True
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and lines[0].startswith("shape,response_len")
+    assert ",8762.06," in lines[1] and ",9000.0," in lines[2]
