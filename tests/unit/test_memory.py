@@ -139,3 +139,22 @@ def test_colocated_engines_sleep_unless_cluster_engines_sleep_is_false(tmp_path,
     assert offload_enabled(cfg.train.offload_optimizer, cfg.cluster.sleeping_engines, "cuda") is sleep
     cpu = Placement(None, [0], [[0]], False, True, [""], True)
     assert not cpu.colocated_gpu and not cpu.engines_sleep
+
+
+def test_the_first_offload_takes_host_buffers_pinned_while_the_rank_was_idle():
+    x = torch.randn(5, 6, dtype=torch.float32)
+    ref_model, ref_opt = _model_and_optimizer()
+    model, opt = _model_and_optimizer()
+    off = HostOffload(opt, model, model, torch.device("cpu"))
+    # two Adam moments per weight, known before the optimizer creates them in its first step
+    assert off.expected_host_buffers() == [(p.shape, p.dtype) for p in model.parameters() for _ in range(2)]
+    off.start_prepinning()
+    for step in range(2):
+        _step(ref_model, ref_opt, x)
+        _step(model, opt, x)
+        off.offload()
+        # the moments (8) come from the pool on the first offload; later offloads reuse their own buffers
+        assert off.prepinned_used == (8 if step == 0 else 0)
+        off.onload()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)

@@ -232,6 +232,8 @@ class Trainer:
         self.offload_enabled = offload_enabled(
             self.cfg.train.offload_optimizer, self.cfg.cluster.sleeping_engines, self.platform
         )
+        if self.offload_enabled and self.device.type == "cuda":
+            self.offloader.start_prepinning()
 
     def offload_optimizer(self) -> dict[str, float] | None:
         """Optimizer state and gradients to pinned host memory (vLLM generates next): its time and what stays on the
