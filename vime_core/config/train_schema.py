@@ -33,8 +33,8 @@ class TrainConfig(Section):
         FIXED,
         Field(
             description="MoE experts as one grouped GEMM per projection (megatron's GroupedMLP on torch._grouped_mm) "
-            "instead of a loop over experts (SequentialMLP): ~12x faster at Qwen3-30B-A3B's expert width "
-            "(bench/gpu_scale.py). Same values; torch_dist checkpoints load either way. `auto`: on for "
+            "instead of a loop over experts (SequentialMLP), which launches a kernel per expert (speed: "
+            "bench/gpu_scale.py's loop_sequential phase). Same values; torch_dist checkpoints load either way. `auto`: on for "
             "MoE models whose expert GEMMs have 16-byte rows (every Qwen3-MoE). Fixed across a resume: the "
             "optimizer state is saved per parameter, and the two hold different parameters."
         ),
