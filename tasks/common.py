@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.tasks import exponential_backoff
 
 from vime_core.config import RunConfig, config_from_dict
@@ -76,3 +76,17 @@ def markdown(title: str, rows: dict[str, Any], key: str, note: str = "") -> None
     if note:
         lines += ["", note]
     create_markdown_artifact(markdown=redact("\n".join(lines)), key=key, description=redact(title))
+
+
+def link(title: str, url: str, key: str) -> None:
+    """A Prefect link artifact (the flow run's Artifacts tab opens it in one click); credentials masked."""
+    create_link_artifact(link=redact(url), link_text=title, key=key, description=redact(title))
+
+
+def table(title: str, rows: list[dict[str, Any]], key: str) -> None:
+    """A Prefect table artifact, one row per item (sortable in the UI; the latest per key compares across runs)."""
+    create_table_artifact(
+        table=[{k: redact(v) if isinstance(v, str) else v for k, v in r.items()} for r in rows],
+        key=key,
+        description=title,
+    )

@@ -10,9 +10,9 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
-from tasks.common import RETRY_DELAYS, TIMEOUTS, artifact_key, cfg_of, is_transient, markdown
+from tasks.common import RETRY_DELAYS, TIMEOUTS, artifact_key, cfg_of, is_transient, table
 from tasks.tracking import tracking_target
-from vime_core.evaluation import evaluate_model
+from vime_core.evaluation import eval_rows, evaluate_model
 from vime_core.sources import content_hash, weights_digest
 from vime_core.tracking import WEIGHTS_TAG, MlflowRun
 
@@ -75,8 +75,8 @@ def log_evaluation(
             MlflowRun(uri, experiment, run_id=parent_run_id).log_metrics(
                 step, {f"final_{k}": v for k, v in metrics.items()}
             )
-    markdown(
-        f"Held-out evaluation ({label})",
-        {k: v for k, v in metrics.items() if k.startswith("eval/")},
+    table(
+        f"Held-out evaluation ({label}), one row per dataset",
+        eval_rows(metrics),
         artifact_key(cfg.name, "evaluate", label),
     )

@@ -7,13 +7,13 @@ from typing import Any
 
 from prefect import get_run_logger, task
 
-from tasks.common import RETRY_DELAYS, TIMEOUTS, artifact_key, cfg_of, is_transient, markdown
+from tasks.common import RETRY_DELAYS, TIMEOUTS, artifact_key, cfg_of, is_transient, link, markdown
 from tasks.nightly import registered_name
 from tasks.tracking import tracking_target
 from vime_core.checkpoint import convert_torch_dist_to_hf
 from vime_core.sources import weights_digest
 from vime_core.policy_model import register_policy
-from vime_core.tracking import CHALLENGER, MlflowRun
+from vime_core.tracking import CHALLENGER, MlflowRun, model_version_url
 
 
 @task(
@@ -91,6 +91,11 @@ def register_model(
             "weights sha256": digest,
         },
         artifact_key(cfg.name, "register"),
+    )
+    link(
+        f"{name} v{info['version']} in the MLflow registry",
+        model_version_url(uri, name, info["version"]),
+        artifact_key(cfg.name, "model-version"),
     )
     get_run_logger().info(f"registered {name} v{info['version']}: {info['reason']}")
     return {"registered": True, "name": name, "weights_sha256": digest, **info}

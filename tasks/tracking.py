@@ -7,7 +7,7 @@ from typing import Any
 from prefect import task
 from prefect.runtime import flow_run as prefect_flow_run
 
-from tasks.common import TIMEOUTS, cfg_of, is_transient
+from tasks.common import TIMEOUTS, artifact_key, cfg_of, is_transient, link
 from vime_core.checkpoint import Checkpointer
 from vime_core.config import dump_config, flatten
 from vime_core.platform import detect_platform
@@ -119,6 +119,8 @@ def start_tracking(
         run.set_tags({"prefect.last_flow_run_id": flow_run_id})
     run.log_text(dump_config(cfg), "config.yaml")
     run.log_datasets(dataset_inputs(cfg, datasets or []))
+    experiment_id = run.client.get_run(run.run_id).info.experiment_id
+    link("MLflow run of this pipeline", run_url(uri, experiment_id, run.run_id), artifact_key(cfg.name, "mlflow-run"))
     return run.run_id
 
 

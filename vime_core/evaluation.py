@@ -52,6 +52,17 @@ def evaluate(router: RolloutRouter, eval_sets: dict[str, PromptSet], cfg, reward
     return metrics
 
 
+def eval_rows(metrics: dict[str, float]) -> list[dict[str, float | str]]:
+    """`eval/<dataset>/<stat>` metrics as one row per dataset ({"dataset": name, stat: value, ...}), in first-seen
+    order: the shape of a table (a Prefect table artifact compares datasets side by side)."""
+    rows: dict[str, dict[str, float | str]] = {}
+    for key, value in metrics.items():
+        parts = key.split("/", 2)
+        if len(parts) == 3 and parts[0] == "eval":
+            rows.setdefault(parts[1], {"dataset": parts[1]})[parts[2]] = value
+    return list(rows.values())
+
+
 def evaluate_model(cfg, model_dir) -> dict[str, float]:
     """Evaluate an HF checkpoint on `cfg.eval.datasets` with fresh vLLM engines (no trainer)."""
     from vime_core.cluster import create_engines, init_ray, make_placement, shutdown_ray

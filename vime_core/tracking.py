@@ -328,11 +328,20 @@ class EvalChildRuns:
         pass
 
 
+def ui_base(uri: str) -> str:
+    """Where the MLflow UI of `uri` is: the tracking server itself, or `mlflow ui` at LOCAL_UI for a local (sqlite)
+    store."""
+    return uri.rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
+
+
 def run_url(uri: str, experiment_id: str, run_id: str) -> str:
-    """The run's page in the MLflow UI, in the model training view: on the tracking server itself, or on
-    `mlflow ui` at LOCAL_UI for a local (sqlite) store."""
-    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else LOCAL_UI
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{UI_VIEW}"
+    """The run's page in the MLflow UI, in the model training view."""
+    return f"{ui_base(uri)}/#/experiments/{experiment_id}/runs/{run_id}?{UI_VIEW}"
+
+
+def model_version_url(uri: str, name: str, version: str | int) -> str:
+    """A registered model version's page in the MLflow UI (signature, aliases, source run)."""
+    return f"{ui_base(uri)}/#/models/{name}/versions/{version}"
 
 
 def find_run_by_tag(uri: str, experiment: str, key: str, value: str) -> str | None:

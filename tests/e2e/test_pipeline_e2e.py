@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -34,6 +35,7 @@ import yaml
 from tasks.nightly import flow_run_key
 from tests.helpers.prefect_api import BIN, api, prefect, stop, wait_http, wait_until
 from tests.helpers.tiny import REPO
+from tests.helpers.webhook import start_webhook
 from vime_core.ports import free_port
 
 
@@ -275,6 +277,23 @@ def test_mlflow_holds_the_first_night(first_night, store, tmp_path):
     assert version_files(client, "1", tmp_path) == file_hashes(Path(v1.tags["vime.export_dir"]))
 
 
+def test_the_flow_run_links_its_mlflow_run_and_version_and_tables_its_evaluation(deployment, first_night, store):
+    """Prefect link artifacts open the night's MLflow run (in the model training view) and its registered version
+    in one click; the held-out evaluation is a table artifact, one row per dataset."""
+    flow_run_id = first_night["run"]["id"]
+    artifacts = api(deployment["env"], "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+    links = " ".join(str(a["data"]) for a in artifacts if a["type"] == "markdown")  # Prefect stores a link so
+    run_id = nightly_run(store, flow_run_id).info.run_id
+    # a link artifact's markdown is "[text](url)" (the pipeline summary's table holds the run's URL as plain text)
+    assert re.search(rf"\]\(http[^)]*/runs/{run_id}\?workflowType=machine_learning\)", links), links
+    assert re.search(rf"\]\(http[^)]*/#/models/{MODEL}/versions/1\)", links), links
+    tables = [
+        json.loads(a["data"]) if isinstance(a["data"], str) else a["data"] for a in artifacts if a["type"] == "table"
+    ]
+    rows = [row for t in tables for row in t]
+    assert any(row.get("dataset") == EVAL_NAME and 0.0 <= row["pass@1"] <= 1.0 for row in rows), tables
+
+
 @pytest.fixture(scope="module")
 def second_night(deployment, first_night, store, tmp_path_factory):
     """The scheduler's other run on the first night's date (SECOND_CRON), run by the worker."""
@@ -403,23 +422,7 @@ def test_start_fresh_registers_the_weights_it_trained(deployment, second_night, 
 @pytest.fixture(scope="module")
 def webhook(deployment):
     """A webhook on 127.0.0.1 and flows/alerts.py's automation posting to it; yields the bodies received."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    received: list[dict] = []
-
-    class Hook(BaseHTTPRequestHandler):
-        def do_POST(self):
-            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):  # quiet
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", free_port()), Hook)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+    url, received, server = start_webhook()
     r = subprocess.run(
         [sys.executable, "-m", "flows.alerts", "--webhook-url", url, "--allow-private-urls"],
         env=deployment["env"],

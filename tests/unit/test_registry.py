@@ -282,3 +282,27 @@ def test_a_resumed_run_keeps_one_point_per_step(store):
     reward = client.get_metric_history(first.run_id, "rollout/raw_reward")
     assert sorted((m.step, m.value) for m in reward) == [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.3)]
     assert [(m.step, m.value) for m in client.get_metric_history(first.run_id, "eval/arith/pass_at_1")] == [(2, 0.5)]
+
+
+def test_a_model_version_link_opens_its_page_on_the_server_or_the_local_ui():
+    from vime_core.tracking import model_version_url
+
+    assert (
+        model_version_url("http://127.0.0.1:5077/", "policy", 3) == "http://127.0.0.1:5077/#/models/policy/versions/3"
+    )
+    assert model_version_url("sqlite:////tmp/m.db", "p", "1") == "http://127.0.0.1:5000/#/models/p/versions/1"
+
+
+def test_evaluation_metrics_become_one_table_row_per_dataset():
+    from vime_core.evaluation import eval_rows
+
+    metrics = {
+        "eval/aime/pass@1": 0.25,
+        "perf/eval_time/aime": 3.0,
+        "eval/aime/response_len/mean": 40.0,
+        "eval/arith/pass@1": 0.5,
+    }
+    assert eval_rows(metrics) == [
+        {"dataset": "aime", "pass@1": 0.25, "response_len/mean": 40.0},
+        {"dataset": "arith", "pass@1": 0.5},
+    ]
