@@ -52,11 +52,13 @@ def grpo_pipeline(
 ):
     """GRPO post-training of a Qwen3 model, from source checkpoint to a registered, evaluated policy. `promote`:
     whether the registered version may take `champion` (false: it becomes `challenger` whatever its score)."""
+    from vime_core.logs import quiet_prefect
     from vime_core.orphans import start_watchdog
 
     # here too, not only in main(): a deployment's worker runs this body without main(), and a SIGKILLed flow run
     # must still take Ray and the actors with it (idempotent: main() may have started it already)
     start_watchdog()
+    quiet_prefect()
     logger = get_run_logger()
     try:
         cfg = load_config(config_path, overrides or [])  # a bad config fails here, before any work

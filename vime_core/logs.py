@@ -62,6 +62,25 @@ def quiet_vllm() -> None:
         _add_once(handler, every)
 
 
+class LateHeartbeatFilter(logging.Filter):
+    """Prefect's flow-run heartbeat thread can emit once more after a flow run that ended at once (a config typo
+    refused in milliseconds) has stopped the events service; Prefect logs that at ERROR with a traceback ("Cannot put
+    items in a stopped service instance") after the run's one-line failure. The run's final state was sent already,
+    so nothing is lost: exactly that record is dropped, any other failure to emit an event still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        late = exc is not None and "stopped service instance" in str(exc)
+        return not (late and "prefect.flow-run.heartbeat" in record.getMessage())
+
+
+def quiet_prefect() -> None:
+    """Call in a flow body (a worker runs it without our CLI): the late-heartbeat record above dropped."""
+    logger = logging.getLogger("prefect.events.utilities")
+    if not any(isinstance(f, LateHeartbeatFilter) for f in logger.filters):
+        logger.addFilter(LateHeartbeatFilter())
+
+
 def fmt_seconds(s: float) -> str:
     s = int(round(max(s, 0)))
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"

@@ -75,6 +75,30 @@ def test_the_harmless_rotary_warning_is_dropped_and_others_kept(caplog):
     assert [r.getMessage() for r in caplog.records] == ["QKVParallelLinear: Failed to load weights"]
 
 
+def test_only_a_heartbeat_emitted_after_the_events_service_stopped_is_dropped(caplog):
+    from vime_core.logs import quiet_prefect
+
+    quiet_prefect()
+    quiet_prefect()  # once per flow run: the filter is not stacked
+    logger = logging.getLogger("prefect.events.utilities")
+    assert sum(type(f).__name__ == "LateHeartbeatFilter" for f in logger.filters) == 1
+    stopped = RuntimeError("Cannot put items in a stopped service instance.")
+    with caplog.at_level(logging.ERROR, logger=logger.name):
+        for event, exc in [
+            ("prefect.flow-run.heartbeat", stopped),  # the late heartbeat of a run that ended at once: dropped
+            ("prefect.flow-run.heartbeat", OSError("connection refused")),  # a live run's failure: kept
+            ("prefect.flow-run.Failed", stopped),  # another event: kept
+        ]:
+            try:
+                raise exc
+            except Exception:
+                logger.exception("Error emitting event: %s", event)
+    assert [(r.getMessage(), str(r.exc_info[1])) for r in caplog.records] == [
+        ("Error emitting event: prefect.flow-run.heartbeat", "connection refused"),
+        ("Error emitting event: prefect.flow-run.Failed", "Cannot put items in a stopped service instance."),
+    ]
+
+
 def test_step_progress_estimates_the_rest_from_the_steps_done_here(monkeypatch):
     from vime_core import logs
 
