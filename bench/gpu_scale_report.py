@@ -46,24 +46,18 @@ SHAPES = {  # public config.json values of Qwen/Qwen3-1.7B, -4B, -8B; `tiny` is 
         vocab_size=512,
         max_position_embeddings=2048,
     ),
-    "tiny-moe": dict(  # the CPU smoke shape of the MoE path: untied like Qwen3-30B-A3B, expert rows of 16 bytes in fp32
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        intermediate_size=384,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        tie_word_embeddings=False,
-        vocab_size=512,
-        max_position_embeddings=2048,
-    ),
 }
+# the CPU smoke shape of the MoE path: `tiny` with experts, untied like Qwen3-30B-A3B, expert rows of 16 bytes in fp32
+SHAPES["tiny-moe"] = dict(
+    SHAPES["tiny"],
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    tie_word_embeddings=False,
+)
 # Qwen/Qwen3-30B-A3B's public config.json values; the bench builds its first L of 48 layers (30b-a3b-<L>l), every
 # layer at full width, so that one GPU holds them beside vLLM
 QWEN3_30B_A3B = dict(
