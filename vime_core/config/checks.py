@@ -121,12 +121,6 @@ def optimizer_problems(c: RunConfig) -> Iterator[str]:
             "train.optimizer_cpu_offload runs megatron's optimizer, which needs a GPU platform; on CPU every tensor "
             "is in host memory already: set train.optimizer_cpu_offload = false"
         )
-    if t.optimizer_cpu_offload and c.checkpoint.save_optimizer:
-        yield (
-            "train.optimizer_cpu_offload = true: checkpointing the host-side optimizer's state has not yet passed "
-            "its bit-exact resume test on a GPU; set checkpoint.save_optimizer = false (a resume then keeps the "
-            "weights and the step count and restarts Adam's moments)"
-        )
     if t.optimizer_cpu_offload and c.model.dtype != "bfloat16":
         yield (
             f"train.optimizer_cpu_offload keeps fp32 master weights for a bfloat16 model; model.dtype = "
