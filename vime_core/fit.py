@@ -9,6 +9,7 @@ The rule, per device:
   weights, gradients and both moments in the weights' dtype (4 x its bytes);
 - activations are counted at their floor, what full recompute keeps (each layer's input for the micro-batch budget,
   train.max_tokens_per_device, plus one log-prob chunk): a run refused here cannot fit at any recompute setting;
+- the optimizer step adds nothing parameter-sized: Adam runs torch's fused kernel on GPUs (trainer.optim.fuse_adam);
 - colocated, the device holds in turn (a) the trainer training beside vLLM asleep (or awake, cluster.engines_sleep
   false) and (b) vLLM's share (rollout.gpu_memory_utilization of the device) beside what the trainer keeps while
   vLLM generates (its weights, plus its optimizer state unless train.offload_optimizer moves it to the host);

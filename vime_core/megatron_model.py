@@ -15,20 +15,10 @@ import torch.distributed as dist
 
 from vime_core.models import spec_of
 from vime_core.models.qwen3 import Qwen3Arch
+from vime_core.memory import RECOMPUTE
 from vime_core.namediff import describe_name_diff, name_diff
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-RECOMPUTE = ("none", "selective", "full")
-
-
-def resolve_recompute(setting: str, platform: str) -> str:
-    """train.recompute `auto`: selective on GPUs (an H200, Qwen3-1.7B, micro-batches of 2 x 4,136 tokens: 39.6 GiB
-    and 31.1k tok/s against none's 63.5 GiB and 34.6k), none on CPU (the small models there need no saving)."""
-    if setting != "auto":
-        return setting
-    return "none" if platform == "cpu" else "selective"
 
 
 def recompute_options(recompute: str, num_layers: int, is_moe: bool) -> dict:

@@ -73,10 +73,11 @@ def test_offload_is_on_for_colocated_gpus(setting, engines_sleep, platform, want
     assert offload_enabled(setting, engines_sleep, platform) is want
 
 
-def _fake_trainer(budget: int):
-    """A step runner as the wrapper sees it: its RankState's cfg, device, peaks and last onload time."""
-    cfg = SimpleNamespace(train=SimpleNamespace(max_tokens_per_device=budget))
-    st = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), peaks=PhasePeaks(torch.device("cpu")), onload_time=0.0)
+def _fake_trainer(budget: int, recompute: str = "none", platform: str = "cpu"):
+    """A step runner as the wrapper sees it: its RankState's cfg, platform, device, peaks and last onload time."""
+    cfg = SimpleNamespace(train=SimpleNamespace(max_tokens_per_device=budget, recompute=recompute))
+    cpu = torch.device("cpu")
+    st = SimpleNamespace(cfg=cfg, platform=platform, device=cpu, peaks=PhasePeaks(cpu), onload_time=0.0)
     return SimpleNamespace(st=st)
 
 
@@ -101,6 +102,24 @@ def test_out_of_memory_with_one_sample_over_the_budget_asks_for_recompute():
 
     with pytest.raises(MemoryBudgetError, match=r"longest sample alone does not fit: set train.recompute = full"):
         train(_fake_trainer(4096), 0, [[SimpleNamespace(tokens=[1] * 4136)]])
+
+
+@pytest.mark.parametrize(
+    "recompute, platform, fix",
+    [
+        ("auto", "cuda", "lower it to 8192 (the longest sample has 4136 tokens) or set train.recompute = full"),
+        ("full", "cuda", "lower it to 8192 (the longest sample has 4136 tokens)"),
+        ("auto", "cpu", "or set train.recompute = selective / full"),
+    ],
+)
+def test_out_of_memory_suggests_only_a_heavier_recompute_than_the_run_has(recompute, platform, fix):
+    @train_step_memory
+    def train(self, rollout_id, steps):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(MemoryBudgetError) as e:
+        train(_fake_trainer(16384, recompute, platform), 0, [[SimpleNamespace(tokens=[1] * 4136)]])
+    assert str(e.value).endswith(fix)
 
 
 def test_the_wrapper_passes_metrics_through_on_cpu():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from vime_core.trainer.optim import place_beside_params
+from vime_core.trainer.optim import fuse_adam, place_beside_params
 
 
 def loaded_on_host(device: str, **group):
@@ -36,3 +36,36 @@ def test_host_state_of_a_host_parameter_is_left_as_it_is():
     before = dict(opt.state[p])
     place_beside_params([opt])
     assert all(opt.state[p][k] is v for k, v in before.items())
+
+
+def adamw_pair():
+    """Two torch AdamW (foreach, as megatron-core builds it without TE/Apex) over equal parameters, and an SGD."""
+    torch.manual_seed(0)
+    f32 = dict(dtype=torch.float32)  # megatron's masters; explicit, whatever default dtype another test left
+    ps = [torch.nn.Parameter(torch.randn(64, 32, **f32)), torch.nn.Parameter(torch.randn(32, **f32))]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    kw = dict(lr=1e-2, weight_decay=0.1, foreach=True)
+    return ps, qs, torch.optim.AdamW(ps, **kw), torch.optim.AdamW(qs, **kw)
+
+
+def test_fuse_adam_switches_to_the_fused_kernel_with_the_same_updates():
+    ps, qs, foreach, fused = adamw_pair()
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    fuse_adam([fused, sgd], device_type="cpu")  # the CPU has a fused AdamW too: the switch itself is what is tested
+    assert fused.param_groups[0]["fused"] is True and fused.param_groups[0]["foreach"] is False
+    assert "fused" not in sgd.param_groups[0] or not sgd.param_groups[0]["fused"]
+    for _ in range(3):
+        grads = [torch.randn(p.shape, dtype=torch.float32) for p in ps]
+        for opt, params in ((foreach, ps), (fused, qs)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
+    assert fused.state[qs[0]]["step"].item() == 3.0
+
+
+def test_fuse_adam_leaves_groups_on_another_device_alone():
+    _, _, _, opt = adamw_pair()
+    fuse_adam([opt])  # CPU parameters, CUDA asked for
+    assert not opt.param_groups[0]["fused"] and opt.param_groups[0]["foreach"] is True

@@ -132,7 +132,7 @@ class Trainer:
         the optimizer, the `RankState` and the collaborators made from it."""
         from vime_core import megatron_model as mm
         from vime_core.checkpoint import load_hf_state_dict, load_torch_dist, read_hf_config
-        from vime_core.memory import PhasePeaks
+        from vime_core.memory import PhasePeaks, resolve_recompute
         from vime_core.models import arch_from_hf_config, resolve_grouped_gemm, spec_of
 
         t, device = self.cfg.train, self.device
@@ -144,7 +144,7 @@ class Trainer:
             t.expert_parallel_size,
             t.sequence_parallel,
             on_cpu=self.platform == "cpu",
-            recompute=mm.resolve_recompute(t.recompute, self.platform),
+            recompute=resolve_recompute(t.recompute, self.platform),
             grouped_gemm=resolve_grouped_gemm(t.moe_grouped_gemm, arch, self.cfg.model.dtype, t.tensor_parallel_size),
             routing_replay=self.cfg.rollout.routing_replay,
         )
