@@ -389,7 +389,12 @@ def parser() -> argparse.ArgumentParser:
         default=os.environ.get("VIME_BENCH_CACHE", "/tmp/vime-gpu-scale"),
         help="random checkpoints and the loop's run dirs",
     )
-    p.add_argument("--deadline-s", type=float, default=565.0, help="stop starting phases past this; caps watchdogs")
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        help="stop starting phases past this; caps watchdogs (default 565 s, one device call, unless "
+        "--phase-timeout-s is given: a detached run is bounded by its watchdogs)",
+    )
     p.add_argument(
         "--phase-timeout-s",
         type=float,
@@ -446,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return dry_run(args)
     t_start, model_dir, rc = time.time(), model_path(args), 0
+    if args.deadline_s is None:
+        args.deadline_s = float("inf") if args.phase_timeout_s else 565.0
     for phase in [p for p in PHASES if p in args.only or p == "build"]:
         if phase == "build" and (model_dir / "config.json").is_file():
             continue
