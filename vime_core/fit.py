@@ -5,7 +5,7 @@ with the numbers and the knobs, not found out by an out-of-memory error minutes 
 The rule, per device:
 - static trainer state is exact arithmetic over the parameters a rank holds (`ModelSpec.params_per_device`): bf16
   weights 2 bytes, megatron's fp32 gradient buffer 4, fp32 master copy 4 and Adam moments 8 (sharded over DP with the
-  distributed optimizer; on the host for the offloaded share of train.optimizer_cpu_offload); torch AdamW keeps
+  distributed optimizer, routed experts over DP / EP; on the host for the offloaded share of train.optimizer_cpu_offload); torch AdamW keeps
   weights, gradients and both moments in the weights' dtype (4 x its bytes);
 - activations are counted at their floor, what full recompute keeps (each layer's input for the micro-batch budget,
   train.max_tokens_per_device, plus one log-prob chunk): a run refused here cannot fit at any recompute setting;
@@ -55,9 +55,11 @@ class MemoryPlan:
         return self.parts[name] / GIB
 
 
-def trainer_static(cfg: RunConfig, params: int, platform: str) -> dict[str, float]:
-    """Bytes of one rank's static state: `weights` (with the KL loss's frozen reference copy), `grads`, `optimizer_gpu` (device-resident optimizer state) and
-    `optimizer_host` (what train.optimizer_cpu_offload keeps in host memory)."""
+def trainer_static(cfg: RunConfig, params: int, platform: str, experts: int = 0) -> dict[str, float]:
+    """Bytes of one rank's static state: `weights` (with the KL loss's frozen reference copy), `grads`,
+    `optimizer_gpu` (device-resident optimizer state) and `optimizer_host` (what train.optimizer_cpu_offload keeps in
+    host memory). `experts` of the `params` are routed-expert parameters, whose state megatron's distributed optimizer
+    shards over the expert-data-parallel ranks (data-parallel size / EP) instead of all data-parallel ones."""
     t, w = cfg.train, DTYPE_BYTES[cfg.model.dtype]
     megatron = t.optimizer == "megatron" or (t.optimizer == "auto" and platform != "cpu")
     ref = w * params if cfg.grpo.kl_loss_coef > 0 else 0.0  # the frozen reference model of the KL loss
@@ -68,12 +70,15 @@ def trainer_static(cfg: RunConfig, params: int, platform: str) -> dict[str, floa
             "optimizer_gpu": 2 * w * params,
             "optimizer_host": 0.0,
         }
-    shard = t.data_parallel_size if (t.distributed_optimizer or t.optimizer_cpu_offload) else 1
+    sharded = t.distributed_optimizer or t.optimizer_cpu_offload
+    dp = t.data_parallel_size if sharded else 1
+    edp = max(1, t.data_parallel_size // t.expert_parallel_size) if sharded else 1
+    owned = (params - experts) / dp + experts / edp  # parameters whose optimizer state this rank keeps
     master = 4 if w != 4 else 0  # an fp32 model is its own master copy
-    state = (master + 8) * params / shard
+    state = (master + 8) * owned
     off = t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0
     # the host side keeps master copy, moments and an fp32 gradient copy: 16 bytes per offloaded parameter
-    host = off * 16 * params / shard
+    host = off * 16 * owned
     return {
         "weights": w * params + ref,
         "grads": 4.0 * params,
@@ -83,21 +88,29 @@ def trainer_static(cfg: RunConfig, params: int, platform: str) -> dict[str, floa
 
 
 def activation_floor(cfg: RunConfig, arch: Any) -> float:
-    """What the train forward keeps at least: each layer's input for one micro-batch (full recompute) and one log-prob
-    chunk's fp32 logits and their gradient (~4 x chunk x vocab/TP floats, train.logprob_chunk_tokens)."""
-    t, w = cfg.train, DTYPE_BYTES[cfg.model.dtype]
+    """What the train forward keeps at least: each layer's input for one micro-batch (full recompute), the MLP of the
+    one layer being recomputed in backward (input, fc1's 2F outputs, the F activations and fc2's output per token; an
+    MoE layer per routed copy: top-k of each token), and one log-prob chunk's fp32 logits and their gradient
+    (~4 x chunk x vocab/TP floats, train.logprob_chunk_tokens)."""
+    t, w, h = cfg.train, DTYPE_BYTES[cfg.model.dtype], arch.hidden_size
+    tokens = t.max_tokens_per_device
     layers = -(-arch.num_layers // t.pipeline_parallel_size)
-    inputs = t.max_tokens_per_device * arch.hidden_size * w * layers
-    chunk = 4 * min(t.logprob_chunk_tokens, t.max_tokens_per_device) * arch.vocab_size / t.tensor_parallel_size * 4
-    return float(inputs + chunk)
+    inputs = tokens * h * w * layers
+    if arch.is_moe:
+        mlp = tokens * arch.moe_topk * (2 * h + 3 * arch.moe_ffn_hidden_size // t.tensor_parallel_size) * w
+    else:
+        mlp = tokens * (2 * h + 3 * arch.ffn_hidden_size // t.tensor_parallel_size) * w
+    chunk = 4 * min(t.logprob_chunk_tokens, tokens) * arch.vocab_size / t.tensor_parallel_size * 4
+    return float(inputs + mlp + chunk)
 
 
 def memory_plan(cfg: RunConfig, arch: Any, device_bytes: float, platform: str) -> MemoryPlan:
     """The plan of one device and of the node's host memory (see the module doc)."""
     t, c = cfg.train, cfg.cluster
     layout = Layout.of_config(cfg)
-    params = spec_of(arch).params_per_device(arch, layout)
-    static = trainer_static(cfg, params, platform)
+    spec = spec_of(arch)
+    params = spec.params_per_device(arch, layout)
+    static = trainer_static(cfg, params, platform, spec.expert_params_per_device(arch, layout))
     acts = activation_floor(cfg, arch)
     colocated = c.colocate and platform != "cpu"
     sleeping = colocated and c.engines_sleep

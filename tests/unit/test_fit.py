@@ -85,3 +85,28 @@ def test_host_offload_needs_a_gpu_and_checkpoints_its_state():
         config_8b("cluster.platform=cpu")
     # the host-side optimizer's state is saved and resumes bit-exactly (tests/integration/test_optimizer_offload.py)
     assert config_8b().checkpoint.save_optimizer is True
+
+
+def test_expert_optimizer_state_shards_over_expert_data_parallel_ranks():
+    """Qwen3-30B-A3B over 8 GPUs at EP = 8 with the distributed optimizer: each rank holds 16 experts, and no other
+    rank holds them (expert-data-parallel size 1), so their fp32 master and moments stay whole on it; the dense
+    parameters' state is split 8 ways."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from gpu_scale_report import hf_config
+
+    from vime_core.models import Layout, spec_of
+
+    arch = arch_from_hf_config(hf_config("30b-a3b-48l"))
+    cfg = load_config(
+        str(REPO / "configs" / "qwen3-30b-a3b.yaml"),
+        ["model.source=/tmp/q30b", "train.distributed_optimizer=true", "checkpoint.save_optimizer=false"],
+    )
+    layout = Layout.of_config(cfg)
+    params = spec_of(arch).params_per_device(arch, layout)
+    experts = spec_of(arch).expert_params_per_device(arch, layout)
+    assert experts == 48 * 16 * 3 * 2048 * 768 and 0 < experts < params
+    plan = memory_plan(cfg, arch, H200, "cuda")
+    assert plan.parts["optimizer_gpu"] == pytest.approx(12 * ((params - experts) / 8 + experts))
+    dense = memory_plan(config_8b(), qwen3_8b(), H200, "cuda")  # no experts: the DP rule alone, unchanged
+    assert spec_of(qwen3_8b()).expert_params_per_device(qwen3_8b(), Layout.of_config(config_8b())) == 0
+    assert dense.parts["optimizer_host"] == pytest.approx(0.6 * 16 * dense.params)

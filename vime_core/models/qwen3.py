@@ -192,6 +192,15 @@ def params_per_device(arch: Qwen3Arch, layout: Layout) -> int:
     return layers + vocab + h  # + the final norm
 
 
+def expert_params_per_device(arch: Qwen3Arch, layout: Layout) -> int:
+    """The routed experts' share of `params_per_device` (0 for a dense model): megatron shards their optimizer state
+    over the expert-data-parallel group, not the data-parallel one."""
+    if not arch.is_moe:
+        return 0
+    per_layer = arch.num_experts // layout.ep * 3 * arch.hidden_size * arch.moe_ffn_hidden_size // layout.tp
+    return -(-arch.num_layers // layout.pp) * per_layer
+
+
 class Qwen3Spec:
     """The Qwen3 family behind `vime_core.models.spec.ModelSpec`."""
 
@@ -207,6 +216,9 @@ class Qwen3Spec:
 
     def params_per_device(self, arch: Qwen3Arch, layout: Layout) -> int:
         return params_per_device(arch, layout)
+
+    def expert_params_per_device(self, arch: Qwen3Arch, layout: Layout) -> int:
+        return expert_params_per_device(arch, layout)
 
     def mapping(self) -> ModuleType:
         from vime_core.models import qwen3_mapping  # imports torch (~1.7 s): only where weights are handled

@@ -63,6 +63,10 @@ class ModelSpec(Protocol):
     def params_per_device(self, arch: Any, layout: Layout) -> int:
         """Parameters one trainer rank holds at `layout` (the memory fit check, vime_core.fit)."""
 
+    def expert_params_per_device(self, arch: Any, layout: Layout) -> int:
+        """Of those, the routed experts' (0 for a dense model): their optimizer state shards over expert-data-parallel
+        ranks."""
+
     def mapping(self) -> ModuleType:
         """The HF <-> megatron weight mapping: hf_names, check_hf_names, check_shapes, hf_to_mcore,
         mcore_param_to_hf, local_view, shard_tp / unshard_tp, expert_index / with_expert_index."""
