@@ -68,23 +68,8 @@ def train_grpo(
     uri = tracking_target(cfg)[0]
     tracker, mlflow_sinks = tracking_sinks(cfg, mlflow_run_id)
     sink = MultiSink(*mlflow_sinks, JsonlSink(cfg.output_dir / "metrics.jsonl", append=True))
-    progress = create_progress_artifact(
-        progress=0.0, key=artifact_key(cfg.name, "train-progress"), description=f"GRPO rollout steps of {cfg.name}"
-    )
-    eta: StepProgress | None = None
+    on_step = step_reporter(cfg, logger)
     monitor = system_metrics(mlflow_run_id, uri)
-
-    def on_step(rollout_id: int, metrics: dict[str, float]) -> None:
-        nonlocal eta
-        eta = eta or StepProgress(
-            cfg.rollout.num_rollout, start=rollout_id, first_step_seconds=metrics["perf/step_time"]
-        )
-        update_progress_artifact(progress, progress=100.0 * (rollout_id + 1) / cfg.rollout.num_rollout)
-        logger.info(
-            f"{eta.text(rollout_id + 1)} | reward {metrics['rollout/raw_reward']:.3f} | logprob_diff "
-            f"{metrics['train/train_rollout_logprob_abs_diff']:.1e} | step {metrics['perf/step_time']:.2f}s"
-        )
-
     logger.info(f"training {cfg.name}: rollout steps up to {cfg.rollout.num_rollout} in {cfg.output_dir}")
     try:
         result = run(
@@ -99,9 +84,45 @@ def train_grpo(
         sink.close()
         if monitor:
             monitor.finish()
+    summary = train_summary(cfg, result)
+    if tracker and result.last_checkpoint and cfg.tracking.log_checkpoints:
+        wait_reachable(uri, cfg.tracking.outage_s)
+        tracker.log_text(
+            json.dumps({"checkpoint_dir": str(cfg.save_dir), "latest": str(result.last_checkpoint)}, indent=2),
+            "checkpoints.json",
+        )
+    markdown(
+        "GRPO training", {k: v for k, v in summary.items() if not isinstance(v, dict)}, artifact_key(cfg.name, "train")
+    )
+    return summary
+
+
+def step_reporter(cfg, logger):
+    """The loop's on_step: the progress artifact and one log line per step with the ETA of the steps left."""
+    progress = create_progress_artifact(
+        progress=0.0, key=artifact_key(cfg.name, "train-progress"), description=f"GRPO rollout steps of {cfg.name}"
+    )
+    eta: StepProgress | None = None
+
+    def on_step(rollout_id: int, metrics: dict[str, float]) -> None:
+        nonlocal eta
+        eta = eta or StepProgress(
+            cfg.rollout.num_rollout, start=rollout_id, first_step_seconds=metrics["perf/step_time"]
+        )
+        update_progress_artifact(progress, progress=100.0 * (rollout_id + 1) / cfg.rollout.num_rollout)
+        logger.info(
+            f"{eta.text(rollout_id + 1)} | reward {metrics['rollout/raw_reward']:.3f} | logprob_diff "
+            f"{metrics['train/train_rollout_logprob_abs_diff']:.1e} | step {metrics['perf/step_time']:.2f}s"
+        )
+
+    return on_step
+
+
+def train_summary(cfg, result) -> dict[str, Any]:
+    """What the task returns (and shows as its artifact): checkpoints, steps, evaluations, the reward's ends."""
     rewards = reward_curve(cfg.output_dir / "metrics.jsonl")
     last = result.last_metrics.get("rollout/raw_reward")
-    summary = {
+    return {
         "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
         "resumed_from": str(result.resumed_from) if result.resumed_from else None,
         "start_rollout_id": result.start_rollout_id,
@@ -115,16 +136,6 @@ def train_grpo(
         "reward_last": last if last is not None else (rewards[-1] if rewards else None),
         "num_rollout": cfg.rollout.num_rollout,
     }
-    if tracker and result.last_checkpoint and cfg.tracking.log_checkpoints:
-        wait_reachable(uri, cfg.tracking.outage_s)
-        tracker.log_text(
-            json.dumps({"checkpoint_dir": str(cfg.save_dir), "latest": str(result.last_checkpoint)}, indent=2),
-            "checkpoints.json",
-        )
-    markdown(
-        "GRPO training", {k: v for k, v in summary.items() if not isinstance(v, dict)}, artifact_key(cfg.name, "train")
-    )
-    return summary
 
 
 def reward_curve(metrics_file) -> list[float]:

@@ -258,6 +258,20 @@ def test_no_vime_core_file_is_over_500_lines():
     assert not long, long
 
 
+def repo_python_files(*dirs: str) -> list[Path]:
+    return sorted(p for d in dirs for p in (REPO / d).rglob("*.py") if ".venv" not in p.parts)
+
+
+def test_no_python_file_of_the_repo_is_over_500_lines():
+    """The same for the orchestration layer, the bench scripts and the tests: a test file past 500 lines holds
+    several topics."""
+    dirs = ("tasks", "flows", "bench", "tests", "scripts", "infra")
+    long = {
+        str(p.relative_to(REPO)): n for p in repo_python_files(*dirs) if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, long
+
+
 def long_functions(path: Path, limit: int = 60) -> list[str]:
     """`name:lines` of every function (methods and nested ones too) in `path` longer than `limit` lines."""
     tree = ast.parse(path.read_text())
@@ -271,6 +285,13 @@ def long_functions(path: Path, limit: int = 60) -> list[str]:
 def test_no_vime_core_function_is_over_60_lines():
     """Small functions (CONTRIBUTING.md): one over 60 lines does several things; name them."""
     long = {name: found for name, p in core_modules().items() if (found := long_functions(p))}
+    assert not long, long
+
+
+def test_no_task_or_flow_function_is_over_60_lines():
+    long = {
+        str(p.relative_to(REPO)): found for p in repo_python_files("tasks", "flows") if (found := long_functions(p))
+    }
     assert not long, long
 
 
