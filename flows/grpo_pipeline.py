@@ -39,6 +39,7 @@ from vime_core.config import RunConfig, load_config
 from vime_core.errors import VimeError, one_line, user_error
 from vime_core.redact import redact
 from vime_core.runlock import output_dir_lock
+from vime_core.stage_times import StageTimes, times_file
 
 NOTHING_TRAINED = "NothingTrained"  # the Prefect state name (type COMPLETED) of a run that trained nothing new
 
@@ -99,8 +100,11 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None, promote: bool = True) ->
     config = cfg.model_dump(mode="json")
     retry = tracking_retries(cfg.tracking.outage_s)  # every task that talks to MLflow outlasts a server restart
     finish = finish_tracking.with_options(**retry)
-    model = download_model(cfg.model.source, tracking_target(cfg)[0])
-    datasets = [download_dataset(s) for s in dict.fromkeys([cfg.data.source, *(d.source for d in cfg.eval.datasets)])]
+    clock = StageTimes(times_file(cfg.output_dir), get_run_logger().info)
+    with clock.stage("download"):
+        model = download_model(cfg.model.source, tracking_target(cfg)[0])
+        sources = dict.fromkeys([cfg.data.source, *(d.source for d in cfg.eval.datasets)])
+        datasets = [download_dataset(s) for s in sources]
     run_name = (
         f"{cfg.name}-{cfg.output_dir.name}"
         if cfg.output_dir.parent.name == "nightly"
@@ -108,7 +112,7 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None, promote: bool = True) ->
     )
     run_id = start_tracking.with_options(**retry)(config, model, run_name, flow_run_id, datasets)
     try:
-        return train_and_register(cfg, config, model, run_id, flow_run_id, promote)
+        return train_and_register(cfg, config, model, run_id, flow_run_id, promote, clock)
     except BaseException as e:
         fail_tracking(config, run_id, e, finish)
         raise
@@ -133,7 +137,8 @@ def train_and_register(
     model: dict[str, Any],
     run_id: str | None,
     flow_run_id: str | None,
-    promote: bool = True,
+    promote: bool,
+    clock: StageTimes,
 ) -> dict[str, Any]:
     retry = tracking_retries(cfg.tracking.outage_s)
     finish = finish_tracking.with_options(**retry)
@@ -145,9 +150,11 @@ def train_and_register(
         check_resume_setting(cfg)
         config = {**config, "checkpoint": {**config["checkpoint"], "resume": True}}
     with engines_started_early(cfg_of(config), model):
-        converted = convert_checkpoint(model, str(cfg.output_dir), cfg.model.dtype)
+        with clock.stage("convert"):
+            converted = convert_checkpoint(model, str(cfg.output_dir), cfg.model.dtype)
         train = train_grpo.with_options(timeout_seconds=train_timeout(cfg.rollout.num_rollout))
-        trained = train(config, model, converted, run_id, flow_run_id)
+        with clock.stage("train"):  # its steps log their own ETA; this one covers engine start and evaluations too
+            trained = train(config, model, converted, run_id, flow_run_id)
         if not trained["last_checkpoint"]:
             raise RuntimeError("training produced no checkpoint")
         step = trained["last_rollout_id"] + 1
@@ -161,13 +168,16 @@ def train_and_register(
                 "checkpoints": str(cfg.save_dir),
                 "nothing_trained": reason,
             }
-        exported = export_hf(config, trained["last_checkpoint"])
+        with clock.stage("export"):
+            exported = export_hf(config, trained["last_checkpoint"])
         final, registry = {}, {"registered": False, "reason": "no eval dataset: nothing to compare a champion on"}
         if cfg.eval.datasets:
-            final = evaluate(config, exported)
-            log_evaluation(config, final, exported, run_id, step=step)
-            register = register_model.with_options(**retry)
-            registry = register(config, exported, run_id, final, trained["last_checkpoint"], promote)
+            with clock.stage("evaluate"):
+                final = evaluate(config, exported)
+                log_evaluation(config, final, exported, run_id, step=step)
+            with clock.stage("register"):
+                register = register_model.with_options(**retry)
+                registry = register(config, exported, run_id, final, trained["last_checkpoint"], promote)
     summary = pipeline_summary(cfg, trained, final, registry, exported, run_id)
     url = finish(config, run_id, {k: v for k, v in summary.items() if isinstance(v, float)}, step=step)
     return {**summary, **({"mlflow run page": url} if url else {})}
