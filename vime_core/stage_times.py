@@ -1,8 +1,8 @@
 """How long each pipeline stage took the last time, and so when the one starting now should end: the ETA line of
 stages that have no steps to count (download, conversion, engine start with training, export, evaluation,
-registration). Kept in a small JSON file beside the runs of one config (`stage-seconds.json`; for nightly runs in
-the `nightly/` folder that holds every night's dir), written when a stage completes; a failed stage keeps the last
-good figure."""
+registration). Kept in a small JSON file in the config's output_dir (`stage-seconds.json`), which nightly runs
+share: theirs are `<output_dir>/nightly/<night>`. Written when a stage completes; a failed stage keeps the last good
+figure."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ FILE = "stage-seconds.json"
 
 
 def times_file(output_dir: Path) -> Path:
-    """A night's dir is new every night: the estimate lives in their common `nightly/` folder."""
+    """A night's dir is new every night: the estimate lives in the config's own output_dir, two levels up (not in
+    `nightly/`, whose entries are the nights)."""
     output_dir = Path(output_dir)
-    return (output_dir.parent if output_dir.parent.name == "nightly" else output_dir) / FILE
+    return (output_dir.parent.parent if output_dir.parent.name == "nightly" else output_dir) / FILE
 
 
 class StageTimes:

@@ -236,6 +236,9 @@ def test_the_train_task_was_retried_and_resumed(deployment, first_night):
     # step-2 checkpoint: every step trained exactly once, in order
     assert [e["rollout_id"] for e in ledger] == list(range(STEPS))
     assert "resuming from" in log, "vime_core's own log lines must reach the flow-run logs"
+    assert "stage convert: started (no earlier run to estimate from)" in log and "stage register: done in" in log
+    times = json.loads((deployment["out"] / "runs" / "tiny-cpu" / "stage-seconds.json").read_text())
+    assert set(times) == {"download", "convert", "train", "export", "evaluate", "register"}
 
 
 def test_mlflow_holds_the_first_night(first_night, store, tmp_path):

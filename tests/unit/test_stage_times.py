@@ -39,6 +39,7 @@ def test_an_unreadable_file_gives_no_estimate_and_no_error(tmp_path):
     assert "no earlier run" in StageTimes(tmp_path / "stage-seconds.json").start_line("export", now=0.0)
 
 
-def test_nights_share_their_folder_and_other_runs_keep_their_own(tmp_path):
-    assert times_file(tmp_path / "nightly" / "2026-12-03-abc") == tmp_path / "nightly" / "stage-seconds.json"
+def test_nights_share_the_configs_output_dir_and_other_runs_keep_their_own(tmp_path):
+    night = tmp_path / "runs" / "tiny-cpu" / "nightly" / "2026-12-03-abc"
+    assert times_file(night) == tmp_path / "runs" / "tiny-cpu" / "stage-seconds.json"
     assert times_file(tmp_path / "runs" / "tiny-cpu") == tmp_path / "runs" / "tiny-cpu" / "stage-seconds.json"
