@@ -69,3 +69,12 @@ def test_fuse_adam_leaves_groups_on_another_device_alone():
     _, _, _, opt = adamw_pair()
     fuse_adam([opt])  # CPU parameters, CUDA asked for
     assert not opt.param_groups[0]["fused"] and opt.param_groups[0]["foreach"] is True
+
+
+def test_fuse_adam_leaves_the_state_of_other_optimizers_where_it_is():
+    """A hybrid optimizer's own view keeps the host half's state on the host beside device parameters: untouched."""
+    p = torch.nn.Parameter(torch.empty(4, device="meta"))
+    other = torch.optim.SGD([p], lr=0.1)
+    other.state[p] = {"momentum_buffer": torch.ones(4)}
+    fuse_adam([other], device_type="meta")
+    assert other.state[p]["momentum_buffer"].device.type == "cpu"

@@ -231,13 +231,17 @@ def fuse_adam(optimizers, device_type: str = "cuda") -> None:
     16. Qwen3-30B-A3B's shape at 10 layers on one H200 ran out of memory in that step at 133 GiB; the fused kernel
     updates in place. Same formula, the same within float rounding. Others (HybridDeviceOptimizer, whose halves are
     fused already) are left alone."""
+    fused = []
     for opt in optimizers:
         if not isinstance(opt, torch.optim.Adam):  # AdamW is an Adam
             continue
         for group in opt.param_groups:
             if group["params"] and all(p.device.type == device_type for p in group["params"]):
                 group["fused"], group["foreach"] = True, False
-    place_beside_params(optimizers)  # the fused kernel wants each `step` on its parameter's device
+                fused.append(opt)
+    # the fused kernel wants each `step` on its parameter's device; only these: the hybrid optimizer's own state
+    # view keeps the host half's state on the host on purpose
+    place_beside_params(list(dict.fromkeys(fused)))
 
 
 def place_beside_params(optimizers) -> None:
