@@ -384,6 +384,19 @@ def parser() -> argparse.ArgumentParser:
         "(model, data, batch shape, no tracking or evaluation) and --set go on top",
     )
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--peak-flops", type=float, default=H200_BF16_PEAK)
+    p.add_argument("--hf-micro-batch-tokens", type=int, default=HF_MICRO_BATCH_TOKENS)
+    p.add_argument(
+        "--vllm-no-seed",
+        action="store_true",
+        help="raw vLLM without the loop's per-request seeds (seeded requests take vLLM's per-request generator path)",
+    )
+    add_control_args(p)
+    return p
+
+
+def add_control_args(p: argparse.ArgumentParser) -> None:
+    """Where things go and how long they may take, and the modes other than a measurement (dry run, fit, merge)."""
     p.add_argument(
         "--cache",
         default=os.environ.get("VIME_BENCH_CACHE", "/tmp/vime-gpu-scale"),
@@ -402,13 +415,6 @@ def parser() -> argparse.ArgumentParser:
         "run the script detached (setsid) and collect the result file in later calls",
     )
     p.add_argument("--copy-to", help="also copy the result file here after every phase (the device's $OUT)")
-    p.add_argument("--peak-flops", type=float, default=H200_BF16_PEAK)
-    p.add_argument("--hf-micro-batch-tokens", type=int, default=HF_MICRO_BATCH_TOKENS)
-    p.add_argument(
-        "--vllm-no-seed",
-        action="store_true",
-        help="raw vLLM without the loop's per-request seeds (seeded requests take vLLM's per-request generator path)",
-    )
     p.add_argument("--dry-run", action="store_true")
     p.add_argument(
         "--fit",
@@ -421,7 +427,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     p.add_argument("--child-timeout", type=float, default=600, help=argparse.SUPPRESS)
-    return p
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -18,6 +18,48 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def median_rate(once, repeats: int) -> float:
+    """Median tokens/s of `repeats` calls of `once` (which returns tokens, seconds), after one warm-up call."""
+    once()
+    rates = []
+    for _ in range(repeats):
+        n, dt = once()
+        rates.append(n / dt)
+    return statistics.median(rates)
+
+
+def count_until_eos(new, eos: int) -> int:
+    """Response tokens up to and including EOS in each row of `new`, as vLLM counts them."""
+    return sum(int((row == eos).nonzero()[0]) + 1 if (row == eos).any() else len(row) for row in new)
+
+
+def hf_generate(model_dir, tok, texts: list[str], args):
+    """transformers `generate` of every prompt's samples in one left-padded batch: a call returns (tokens, seconds)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok.padding_side = "left"
+    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+    def hf_once() -> tuple[int, float]:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = hf.generate(
+                **batch,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                max_new_tokens=args.max_tokens,
+                num_return_sequences=args.samples,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id,
+            )
+        return count_until_eos(out[:, batch["input_ids"].shape[1] :], tok.eos_token_id), time.perf_counter() - t0
+
+    return hf_once
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=16)
@@ -27,7 +69,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from vime_core.builtin import arith_rows, builtin_model_path
     from vime_core.platform import apply_offline_env
@@ -50,39 +92,11 @@ def main() -> int:
         groups = engine.generate(requests, spec)
         return sum(s.response_len for g in groups for s in g), time.perf_counter() - t0
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tok.padding_side = "left"
-    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-
-    def hf_once() -> tuple[int, float]:
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = hf.generate(
-                **batch,
-                do_sample=True,
-                temperature=1.0,
-                top_k=0,
-                max_new_tokens=args.max_tokens,
-                num_return_sequences=args.samples,
-                eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id,
-            )
-        new = out[:, batch["input_ids"].shape[1] :]
-        # count tokens up to and including EOS, as vLLM does
-        n = sum(
-            int((row == tok.eos_token_id).nonzero()[0]) + 1 if (row == tok.eos_token_id).any() else len(row)
-            for row in new
-        )
-        return n, time.perf_counter() - t0
+    hf_once = hf_generate(model_dir, tok, texts, args)
 
     results = {}
     for name, fn in (("vllm", vllm_once), ("transformers", hf_once)):
-        fn()  # warm-up
-        rates = []
-        for _ in range(args.repeats):
-            n, dt = fn()
-            rates.append(n / dt)
-        results[name] = statistics.median(rates)
+        results[name] = median_rate(fn, args.repeats)
         print(
             f"{name:>12}: {results[name]:,.0f} response tokens/s (median of {args.repeats}, {args.prompts}x{args.samples} samples)"
         )
