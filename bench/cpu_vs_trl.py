@@ -110,20 +110,10 @@ def write_task(steps: int, path: Path) -> dict:
     return task
 
 
-def trl_worker(task_path: str, out_path: str) -> None:
-    """Inside the TRL venv: GRPOTrainer on the task; writes per-round timings."""
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
+def trl_reward(task: dict, tok):
+    """Our math reward as a TRL reward function (a response cut at max_completion_length is `length`-finished)."""
     from vime_core.rewards import math_reward
 
-    task = json.loads(Path(task_path).read_text())
-    tok = AutoTokenizer.from_pretrained(task["model_dir"])
-    for r in task["rows"][:4]:  # the texts tokenize to our prompt ids: TRL sees the same prompts
-        assert tok(r["prompt"], add_special_tokens=False)["input_ids"] == r["prompt_ids"], "prompt text/ids differ"
-    ds = Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in task["rows"]])
     max_len = task["max_completion_length"]
 
     def reward(prompts, completions, label, completion_ids=None, **_):
@@ -138,8 +128,15 @@ def trl_worker(task_path: str, out_path: str) -> None:
             for c, lab, i in zip(completions, label, ids)
         ]
 
-    n, steps_per_gen = task["num_generations"], task["prompts_per_step"] * task["num_generations"] // task["batch"]
-    args = GRPOConfig(
+    return reward
+
+
+def trl_config(task: dict, steps_per_gen: int):
+    """GRPOConfig with our run's settings (the mapping in the module docstring)."""
+    from trl import GRPOConfig
+
+    n, max_len = task["num_generations"], task["max_completion_length"]
+    return GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-out-"),
         use_cpu=True,
         bf16=False,
@@ -174,6 +171,23 @@ def trl_worker(task_path: str, out_path: str) -> None:
         use_vllm=False,
         dataloader_num_workers=0,
     )
+
+
+def trl_worker(task_path: str, out_path: str) -> None:
+    """Inside the TRL venv: GRPOTrainer on the task; writes per-round timings."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    task = json.loads(Path(task_path).read_text())
+    tok = AutoTokenizer.from_pretrained(task["model_dir"])
+    for r in task["rows"][:4]:  # the texts tokenize to our prompt ids: TRL sees the same prompts
+        assert tok(r["prompt"], add_special_tokens=False)["input_ids"] == r["prompt_ids"], "prompt text/ids differ"
+    ds = Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in task["rows"]])
+    reward = trl_reward(task, tok)
+    steps_per_gen = task["prompts_per_step"] * task["num_generations"] // task["batch"]
+    args = trl_config(task, steps_per_gen)
     model = AutoModelForCausalLM.from_pretrained(task["model_dir"], dtype=torch.float32)
     trainer = GRPOTrainer(model=model, args=args, train_dataset=ds, reward_funcs=reward, processing_class=tok)
     gen_times: list[float] = []

@@ -13,6 +13,20 @@ from urllib.parse import unquote, urlparse
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
+def tree_listing(files: dict[str, Path]) -> list[dict]:
+    """The hub's `/api/models/<repo>/tree/<rev>` answer: one entry per file."""
+    return [
+        {"type": "file", "path": n, "size": p.stat().st_size, "oid": hashlib.sha1(p.read_bytes()).hexdigest()}
+        for n, p in files.items()
+    ]
+
+
+def model_info(repo_id: str, files: dict[str, Path]) -> dict:
+    """The hub's `/api/models/<repo>` answer at COMMIT."""
+    siblings = [{"rfilename": n} for n in files]
+    return {"id": repo_id, "modelId": repo_id, "sha": COMMIT, "private": False, "siblings": siblings}
+
+
 def serve(repo_id: str, folder: Path) -> tuple[ThreadingHTTPServer, str]:
     files = {p.relative_to(folder).as_posix(): p for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -56,27 +70,9 @@ def serve(repo_id: str, folder: Path) -> tuple[ThreadingHTTPServer, str]:
         def do_GET(self):
             path = urlparse(self.path).path
             if path.startswith(f"/api/models/{repo_id}/tree/"):
-                return self._json(
-                    [
-                        {
-                            "type": "file",
-                            "path": n,
-                            "size": p.stat().st_size,
-                            "oid": hashlib.sha1(p.read_bytes()).hexdigest(),
-                        }
-                        for n, p in files.items()
-                    ]
-                )
+                return self._json(tree_listing(files))
             if path.startswith(f"/api/models/{repo_id}"):
-                return self._json(
-                    {
-                        "id": repo_id,
-                        "modelId": repo_id,
-                        "sha": COMMIT,
-                        "private": False,
-                        "siblings": [{"rfilename": n} for n in files],
-                    }
-                )
+                return self._json(model_info(repo_id, files))
             self._file(head=False)
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
