@@ -5,8 +5,9 @@ with the numbers and the knobs, not found out by an out-of-memory error minutes 
 The rule, per device:
 - static trainer state is exact arithmetic over the parameters a rank holds (`ModelSpec.params_per_device`): bf16
   weights 2 bytes, megatron's fp32 gradient buffer 4, fp32 master copy 4 and Adam moments 8 (sharded over DP with the
-  distributed optimizer, routed experts over DP / EP; on the host for the offloaded share of train.optimizer_cpu_offload); torch AdamW keeps
-  weights, gradients and both moments in the weights' dtype (4 x its bytes);
+  distributed optimizer, routed experts over DP / EP; on the host for the offloaded share of
+  train.optimizer_cpu_offload); torch AdamW keeps weights, gradients and both moments in the weights' dtype (4 x its
+  bytes);
 - activations are counted at their floor, what full recompute keeps (each layer's input for the micro-batch budget,
   train.max_tokens_per_device, plus one log-prob chunk): a run refused here cannot fit at any recompute setting;
 - the optimizer step adds nothing parameter-sized: Adam runs torch's fused kernel on GPUs (trainer.optim.fuse_adam);
