@@ -47,17 +47,10 @@ SHAPES = {  # public config.json values of Qwen/Qwen3-1.7B, -4B, -8B; `tiny` is 
         max_position_embeddings=2048,
     ),
 }
-# the CPU smoke shape of the MoE path: `tiny` with experts, untied like Qwen3-30B-A3B, expert rows of 16 bytes in fp32
-SHAPES["tiny-moe"] = dict(
-    SHAPES["tiny"],
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=64,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    tie_word_embeddings=False,
-)
+# what every MoE shape here shares with Qwen3-30B-A3B: normalised top-k, every layer MoE, untied embeddings
+MOE_COMMON = dict(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
+# the CPU smoke shape of the MoE path: `tiny` with experts, expert rows of 16 bytes in fp32
+SHAPES["tiny-moe"] = dict(SHAPES["tiny"], num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, **MOE_COMMON)
 # Qwen/Qwen3-30B-A3B's public config.json values; the bench builds its first L of 48 layers (30b-a3b-<L>l), every
 # layer at full width, so that one GPU holds them beside vLLM
 QWEN3_30B_A3B = dict(
@@ -68,10 +61,7 @@ QWEN3_30B_A3B = dict(
     num_experts=128,
     num_experts_per_tok=8,
     moe_intermediate_size=768,
-    norm_topk_prob=True,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    tie_word_embeddings=False,
+    **MOE_COMMON,
 )
 MOE_LAYERS = 48
 MOE_SHAPE = re.compile(r"30b-a3b-([1-9]\d*)l")
