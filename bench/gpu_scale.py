@@ -24,6 +24,7 @@ a watchdog that kills the child's process tree, Ray and vLLM included):
          a clipped token log-prob (PPO) loss, fused AdamW (bf16 params and states), micro-batches <= 9,216 tokens,
          right padding (causal, so pads do not touch real tokens and SDPA keeps its flash path), no recompute.
          MoE: experts_implementation grouped_mm; hf_eager (MoE) the same step with eager experts.
+  hf_detached  (diagnostic) the hf step without its no-grad forward: old log-probs from the training forward.
 Writes DIR/<shape>-<response_len>.json (merged phase by phase, so phases can be split over device calls) with the
 medians over steps after the first, ratios, the issue's Done-when checks and every step's raw values; prints ratios.
 `--merge FILE ...` folds result files from several device calls into DIR. `--dry-run`: tiny (or tiny-moe for an MoE
@@ -32,7 +33,7 @@ shape) on CPU, config building and the hf phases only (seconds). `--device cpu -
 MFU = (model FLOPs of the passes the step ran: 2 x matmul params per token and pass (an MoE's active ones: attention,
 router, top-k experts, LM head), plus causal attention 2 x s x layers x heads x head_dim per token and pass; forward +
 backward = 3 passes, plus 1 for each sample that a no-grad old-log-prob forward covered: none for the loop at one
-optimizer step per rollout with train.old_logprobs auto, all for the hf phase; plus 1 for R3's routing-agreement
+optimizer step per rollout with train.old_logprobs auto, all for hf, none for hf_detached; plus 1 for R3's routing-agreement
 forward; recompute not counted) / time / 989e12 (H200 dense bf16 peak, spec sheet; the measured matmul rate is
 ~790e12, ENVIRONMENT.md).
 """
@@ -69,7 +70,7 @@ from gpu_scale_report import (  # noqa: E402
 )
 
 HF_MICRO_BATCH_TOKENS = 9216  # vime's --max-tokens-per-gpu; the issue's HF baseline uses the same budget
-PHASES = ("build", "loop", "loop_sequential", "loop_r3", "vllm", "vllm_sleep", "hf", "hf_eager")
+PHASES = ("build", "loop", "loop_sequential", "loop_r3", "vllm", "vllm_sleep", "hf", "hf_eager", "hf_detached")
 MOE_PHASES = ("loop_sequential", "loop_r3", "hf_eager")  # variants of the MoE layers only
 # watchdog per phase (s); every phase is also capped by what is left of --deadline-s
 PHASE_TIMEOUT = {
@@ -81,6 +82,7 @@ PHASE_TIMEOUT = {
     "vllm_sleep": 420,
     "hf": 300,
     "hf_eager": 420,
+    "hf_detached": 300,
 }
 HEADER_KEYS = (  # a result file's header: what every phase record of it was measured at
     "shape",
@@ -128,6 +130,7 @@ def child_main(args) -> int:
         "vllm_sleep": functools.partial(ph.vllm_phase, sleep_mode=True),
         "hf": ph.hf_phase,
         "hf_eager": functools.partial(ph.hf_phase, experts="eager"),
+        "hf_detached": functools.partial(ph.hf_phase, old_forward=False),
     }.get(args.child)
     rec = ph.build_checkpoint(args.shape, model_dir, args.device) if fn is None else fn(args, model_dir, partial)
     partial.write_text(json.dumps({**rec, "complete": True}, default=str))
@@ -327,7 +330,7 @@ def merge_main(args) -> int:
 
 def dry_run(args) -> int:
     """CPU, tiny shape (tiny-moe for an MoE shape), seconds: argument handling, checkpoint and config building, the
-    hf phase (and hf_eager for the MoE), result writing."""
+    hf phases (hf_eager too for the MoE), result writing."""
     args.shape, args.device = ("tiny-moe" if is_moe_shape(args.shape) else "tiny"), "cpu"
     model_dir = model_path(args)
     if not (model_dir / "config.json").is_file():
@@ -339,7 +342,7 @@ def dry_run(args) -> int:
     check_model_compat(cfg, arch_from_hf_config(json.loads((model_dir / "config.json").read_text())))
     write_phase(args, "loop", {"steps": [], "skipped": "dry run", "overrides": kept, "dropped_overrides": dropped})
     partial = Path(args.out) / ".dry-hf.partial.json"
-    hf = {"hf": phases().hf_phase}
+    hf = {"hf": phases().hf_phase, "hf_detached": functools.partial(phases().hf_phase, old_forward=False)}
     if is_moe_shape(args.shape):
         hf["hf_eager"] = functools.partial(phases().hf_phase, experts="eager")
     for phase, fn in hf.items():

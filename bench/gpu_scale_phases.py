@@ -240,9 +240,11 @@ def token_logp(model, ids, tgt):
     )
 
 
-def hf_step(model, opt, seqs: list[list[int]], starts: list[int], adv: list[float], budget: int, dev) -> tuple:
+def hf_step(model, opt, seqs, starts, adv, budget: int, dev, old_forward: bool = True) -> tuple:
     """One GRPO-like step of the baseline: no-grad forward (old log-probs), forward + backward of the clipped token
-    loss per micro-batch, clip, AdamW. -> (seconds, micro-batches); the peak memory stats are reset first."""
+    loss per micro-batch, clip, AdamW. -> (seconds, micro-batches); the peak memory stats are reset first.
+    `old_forward` False: the old log-probs are the training forward's own, detached (what TRL and our loop do at one
+    optimizer step per rollout: the weights are the old policy's), so the step runs the loop's 3 passes, not 4."""
     import torch
 
     if dev.type == "cuda":
@@ -251,10 +253,11 @@ def hf_step(model, opt, seqs: list[list[int]], starts: list[int], adv: list[floa
     t = time.perf_counter()
     mbs = hf_batches(seqs, starts, adv, budget, dev)
     with torch.no_grad():
-        old = [token_logp(model, ids, tgt) for ids, tgt, _ in mbs]
+        old = [token_logp(model, ids, tgt) if old_forward else None for ids, tgt, _ in mbs]
     n_tok = sum(int((tgt != -100).sum()) for _, tgt, _ in mbs)
     for (ids, tgt, a), o in zip(mbs, old):
-        ratio = (token_logp(model, ids, tgt) - o).exp()
+        logp = token_logp(model, ids, tgt)
+        ratio = (logp - (logp.detach() if o is None else o)).exp()
         pg = -torch.minimum(ratio * a, ratio.clamp(0.8, 1.28) * a)
         ((pg * (tgt != -100)).sum() / n_tok).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -265,10 +268,11 @@ def hf_step(model, opt, seqs: list[list[int]], starts: list[int], adv: list[floa
     return time.perf_counter() - t, len(mbs)
 
 
-def hf_phase(args, model_dir: Path, partial: Path, experts: str | None = None) -> dict:
+def hf_phase(args, model_dir: Path, partial: Path, experts: str | None = None, old_forward: bool = True) -> dict:
     """The transformers baseline. An MoE's experts run as `experts` asks, grouped_mm unless told (phase hf_eager:
     eager, a Python loop over the experts that tokens chose); batched_mm is not offered: it gathers a copy of the
-    expert weights per (token, expert) pair, ~0.7 TB a layer for a 9,216-token micro-batch at Qwen3-30B-A3B width."""
+    expert weights per (token, expert) pair, ~0.7 TB a layer for a 9,216-token micro-batch at Qwen3-30B-A3B width.
+    `old_forward` False (phase hf_detached): no old-log-prob forward, see `hf_step`."""
     import torch
 
     dev = torch.device("cuda" if args.device == "cuda" else "cpu")
@@ -280,6 +284,7 @@ def hf_phase(args, model_dir: Path, partial: Path, experts: str | None = None) -
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     rec: dict = {"micro_batch_tokens": args.hf_micro_batch_tokens, "dtype": str(model.dtype), "steps": []}
+    rec["old_logprobs"] = "forward" if old_forward else "detached"
     if experts:
         info = json.loads((model_dir / BUILD_INFO).read_text()) if (model_dir / BUILD_INFO).is_file() else {}
         rec["experts_implementation"] = getattr(model.config, "_experts_implementation", None)
@@ -293,14 +298,14 @@ def hf_phase(args, model_dir: Path, partial: Path, experts: str | None = None) -
         starts = [len(p) for p in batch for _ in range(args.samples)]
         adv = [1.0 if (i % 2) else -1.0 for i in range(len(seqs))]
         try:
-            dt, n_mbs = hf_step(model, opt, seqs, starts, adv, args.hf_micro_batch_tokens, dev)
+            dt, n_mbs = hf_step(model, opt, seqs, starts, adv, args.hf_micro_batch_tokens, dev, old_forward)
         except torch.OutOfMemoryError as e:  # the baseline does not fit (Qwen3-8B on one H200): say so, with where
             peak = torch.cuda.max_memory_allocated() / 2**30
             rec["oom"] = f"step {step}: out of memory at a {peak:.1f} GiB allocator peak: {str(e).splitlines()[0]}"
             print(f"[hf] {rec['oom']}", flush=True)
             partial.write_text(json.dumps(rec))
             break
-        rec["steps"].append(hf_row(args, arch, seqs, dt, n_mbs, dev))
+        rec["steps"].append(hf_row(args, arch, seqs, dt, n_mbs, dev, 4 if old_forward else 3))
         partial.write_text(json.dumps(rec))
         print(
             f"[hf{', ' + experts + ' experts' if experts else ''}] step {step}: {dt:.1f}s {rec['steps'][-1]['tok_s']:,.0f} tok/s, "
@@ -310,7 +315,7 @@ def hf_phase(args, model_dir: Path, partial: Path, experts: str | None = None) -
     return rec
 
 
-def hf_row(args, arch: dict, seqs: list[list[int]], seconds: float, n_mbs: int, dev) -> dict:
+def hf_row(args, arch: dict, seqs: list[list[int]], seconds: float, n_mbs: int, dev, passes: int) -> dict:
     import torch
 
     tokens = sum(len(s) for s in seqs)
@@ -320,5 +325,5 @@ def hf_row(args, arch: dict, seqs: list[list[int]], seconds: float, n_mbs: int, 
         "tok_s": tokens / seconds,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
         "micro_batches": n_mbs,
-        "mfu": mfu(step_flops(arch, [len(s) for s in seqs]), seconds, args.peak_flops),
+        "mfu": mfu(step_flops(arch, [len(s) for s in seqs], passes), seconds, args.peak_flops),
     }

@@ -184,7 +184,7 @@ def flop_params(c: dict) -> int:
     return active_params(c) if is_moe(c) else matmul_params(c)
 
 
-def step_flops(c: dict, seq_lens: list[float], passes: float = 4) -> float:
+def step_flops(c: dict, seq_lens: list[float], passes: float) -> float:
     """Model FLOPs of a GRPO step over sequences of these lengths. One pass (a forward) costs 2 x `flop_params` per
     token plus causal attention 2 x s x layers x heads x head_dim per token (QK^T and AV, halved by the mask);
     backward = 2 passes; 4 = no-grad forward for the old log-probs + forward/backward. Recompute is not counted."""
@@ -269,6 +269,8 @@ def summarize(doc: dict) -> dict:
         "raw_vllm_response_len_mean": median_after_first(col("vllm", "response_len_mean")),
         "loop_train_tokens": median_after_first(col("loop", "bench/train_tokens")),
         "hf_sdpa_train_tokens": median_after_first(col("hf", "tokens")),
+        # phase hf_detached, a diagnostic: the transformers step without its old-log-prob forward, as the loop runs
+        "hf_detached_tok_s": median_after_first(matched_steps(trainer, col("hf_detached", "tok_s"))[1]),
     }
     s["kv_cache_tokens"] = kv_cache_tokens(doc)
     peak = trainer_peak(ph.get("loop", {}))
@@ -276,6 +278,7 @@ def summarize(doc: dict) -> dict:
         s["trainer_peak_gib"], s["trainer_peak_source"] = peak
     s["ratios"] = {
         "trainer_vs_hf_sdpa": ratio(s, "trainer_tok_s", "hf_sdpa_tok_s"),
+        "trainer_vs_hf_detached": ratio(s, "trainer_tok_s", "hf_detached_tok_s"),
         "rollout_vs_raw_vllm": ratio(s, "rollout_tok_per_gpu_s", "raw_vllm_tok_s"),
         "raw_vllm_sleep_mode_vs_raw_vllm": ratio(s, "raw_vllm_sleep_mode_tok_s", "raw_vllm_tok_s"),
         "trainer_peak_vs_hf_sdpa_peak": ratio(s, "trainer_peak_gib", "hf_sdpa_peak_gib"),
@@ -378,6 +381,7 @@ SUMMARY_KEYS = {
     "raw_vllm_response_len_mean",
     "loop_train_tokens",
     "hf_sdpa_train_tokens",
+    "hf_detached_tok_s",
     "trainer_peak_source",
     "kv_cache_tokens",
     "ratios",

@@ -32,7 +32,7 @@ def test_step_flops_by_hand(rp):
     assert rp.matmul_params(c) == 196
     one_pass = 2 * 196 * 3 + 2 * 1 * 2 * 2 * 3 * 3  # matmuls + causal attention for a 3-token sequence
     assert rp.step_flops(c, [3], passes=1) == one_pass
-    assert rp.step_flops(c, [3, 3]) == 4 * 2 * one_pass
+    assert rp.step_flops(c, [3, 3], passes=4) == 4 * 2 * one_pass
 
 
 def test_mfu(rp):
@@ -191,6 +191,32 @@ def test_dry_run_writes_a_result_with_the_hf_steps(gs, rp, tmp_path):
     assert len(hf) == 2 and doc["hf_sdpa_tok_s"] == hf[1]["tok_s"] > 0
     assert all(s["tokens"] > 2 * 2 * 8 for s in hf)  # prompt tokens + 8 response tokens per sample
     assert doc["phases"]["loop"]["skipped"] == "dry run" and doc["params"] == rp.param_count(rp.hf_config("tiny"))
+    # the step without the no-grad old-log-prob forward: its MFU counts the 3 passes it ran, not the hf phase's 4
+    detached = doc["phases"]["hf_detached"]
+    assert detached["old_logprobs"] == "detached" and doc["phases"]["hf"]["old_logprobs"] == "forward"
+    assert len(detached["steps"]) == 2 and doc["hf_detached_tok_s"] == detached["steps"][1]["tok_s"] > 0
+    for a, b in zip(detached["steps"], doc["phases"]["hf"]["steps"]):  # the same sequences (one seed): FLOPs 3 : 4
+        assert a["tokens"] == b["tokens"] and a["mfu"] * a["seconds"] == pytest.approx(0.75 * b["mfu"] * b["seconds"])
+
+
+def test_the_detached_hf_step_makes_the_same_update_as_the_one_with_an_old_forward(tmp_path):
+    """At one optimizer step per rollout the weights are the old policy's: the training forward's own (detached)
+    log-probs give the same loss and so the same AdamW update as a separate no-grad forward."""
+    torch = pytest.importorskip("torch")
+    ph = load_bench("gpu_scale_phases")
+    model_dir = tmp_path / "tiny"
+    ph.build_checkpoint("tiny", model_dir, "cpu")
+    seqs = [[5, 6, 7, 8, 9, 10], [5, 6, 11, 12, 13, 14]]
+    params = []
+    for old_forward in (True, False):
+        model, opt = ph.hf_model(model_dir, torch.device("cpu"))
+        ph.hf_step(model, opt, seqs, [2, 2], [1.0, -1.0], 64, torch.device("cpu"), old_forward)
+        params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    moved = params[0] - torch.cat(
+        [p.detach().flatten() for p in ph.hf_model(model_dir, torch.device("cpu"))[0].parameters()]
+    )
+    assert moved.abs().max() > 0  # the step changed the weights, so equal updates say something
+    torch.testing.assert_close(params[0], params[1])
 
 
 def test_rollout_and_trainer_compare_the_steps_both_phases_ran(rp):
