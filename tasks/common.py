@@ -9,6 +9,7 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact, cr
 from prefect.tasks import exponential_backoff
 
 from vime_core.config import RunConfig, config_from_dict
+from vime_core.outage import retry_delays
 from vime_core.redact import redact
 
 RETRY_DELAYS = exponential_backoff(backoff_factor=5)  # 5 s, 10 s, 20 s, ...
@@ -28,13 +29,10 @@ TRAIN_TIMEOUT_PER_STEP = HOUR  # the train task gets 1 h + 1 h per rollout step
 
 
 def tracking_retries(outage_s: float) -> dict[str, Any]:
-    """Prefect `with_options` for a task that talks to MLflow: retry delays 2, 4, 8, ... s, capped at 60 s, until
-    they sum to `outage_s` (`tracking.outage_s`). The old fixed [2, 10] gave up after 12 s, while a restarted
-    tracking server took ~40 s to answer again (issue 26); 180 s: 7 retries over 182 s. At most 34 delays
-    (outage_s <= 1800), under Prefect's limit of 50."""
-    delays: list[int] = []
-    while sum(delays) < outage_s:
-        delays.append(min(2 ** (len(delays) + 1), 60))
+    """Prefect `with_options` for a task that talks to MLflow: retried `retry_delays(outage_s)` apart
+    (`tracking.outage_s`). The old fixed [2, 10] gave up after 12 s, while a restarted tracking server took ~40 s to
+    answer again (issue 26)."""
+    delays = retry_delays(outage_s)
     return {"retries": len(delays), "retry_delay_seconds": delays or 0, "retry_condition_fn": is_transient}
 
 

@@ -1,10 +1,11 @@
 """Riding out a tracking server outage: wait for the store to answer, and a metrics sink that keeps what a
-restarting server did not take. The retry schedule is `tracking.outage_s` (the Prefect tasks' own retries for the
-same setting: tasks/common.py `tracking_retries`)."""
+restarting server did not take. The retry schedule, `retry_delays`, follows `tracking.outage_s` (the Prefect tasks' own retries use
+it too: tasks/common.py `tracking_retries`)."""
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from vime_core.tracking import TrackingUnreachableError, check_reachable
@@ -12,17 +13,30 @@ from vime_core.tracking import TrackingUnreachableError, check_reachable
 log = logging.getLogger(__name__)
 
 
+RECHECK_S = 10  # the longest wait between two checks of a store that does not answer, for outages up to 400 s
+
+
+def retry_delays(outage_s: float) -> list[int]:
+    """Seconds to wait between attempts while the tracking store does not answer (`tracking.outage_s`; the Prefect
+    tasks' retries use the same list): 2, 4, 8, then every RECHECK_S, until they sum to `outage_s`. A restarted server
+    is seen within RECHECK_S of answering again, where a delay that kept doubling would see it that much late. Longer
+    outages check every outage_s / 40 s, so that no list is longer than 44 (Prefect allows 50 retries; outage_s <= 1800)."""
+    cap = max(RECHECK_S, math.ceil(outage_s / 40))
+    delays: list[int] = []
+    while sum(delays) < outage_s:
+        delays.append(min(2 ** (len(delays) + 1), cap))
+    return delays
+
+
 def wait_reachable(uri: str, outage_s: float) -> None:
-    """check_reachable, retried 2 s apart (doubling up to 60 s) for `outage_s` (`tracking.outage_s`)."""
-    deadline, delay = time.monotonic() + outage_s, 2.0
-    while True:
+    """check_reachable, retried `retry_delays(outage_s)` apart (`tracking.outage_s`)."""
+    for delay in [*retry_delays(outage_s), None]:
         try:
             return check_reachable(uri)
         except TrackingUnreachableError:
-            if time.monotonic() + delay > deadline:
+            if delay is None:
                 raise
             time.sleep(delay)
-            delay = min(2 * delay, 60.0)
 
 
 class OutageTolerantSink:
@@ -56,13 +70,13 @@ class OutageTolerantSink:
         return True
 
     def close(self) -> None:
-        deadline, delay = time.monotonic() + self.outage_s, 2.0
-        while not self.flush():
-            if time.monotonic() + delay > deadline:
+        for delay in [*retry_delays(self.outage_s), None]:
+            if self.flush():
+                break
+            if delay is None:
                 raise TrackingUnreachableError(
                     f"MLflow tracking store {self.uri} did not answer for tracking.outage_s = {self.outage_s:g} s; "
                     f"{len(self.pending)} metric row(s) not logged (metrics.jsonl in the output dir has them)"
                 )
             time.sleep(delay)
-            delay = min(2 * delay, 60.0)
         self.sink.close()

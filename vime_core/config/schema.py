@@ -378,8 +378,8 @@ class TrackingConfig(Section):
             le=1800,
             description="How long a pipeline's tracking tasks (the nightly champion lookup, opening, registering and "
             "closing the MLflow run) keep retrying a tracking server that does not answer, and the train task waits "
-            "for it to take the metrics it kept meanwhile: retries 2 s apart, doubling up to 60 s, until their sum "
-            "covers this many seconds; 0: no retries.",
+            "for it to take the metrics it kept meanwhile: retries 2, 4 and 8 s apart, then every 10 s (every "
+            "outage_s / 40 s above 400 s), until their sum covers this many seconds; 0: no retries.",
         ),
     ] = 180.0
 
