@@ -123,34 +123,20 @@ def loop_phase(args, model_dir: Path, partial: Path, phase: str = "loop") -> dic
 def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -> dict:
     """Raw vLLM. `sleep_mode` (phase `vllm_sleep`, a diagnostic): as the loop's engine runs, vLLM's sleep-mode
     allocator on, and asleep (level 1) then awake between steps, still without Ray, a trainer or weight loads."""
-    from vime_core.platform import apply_offline_env
     from vime_core.kv_cache import kv_cache_tokens
-    from vime_core.rollout import EngineOptions, engine_kwargs, request_seed, sampling_spec
+    from vime_core.platform import apply_offline_env
+    from vime_core.rollout import request_seed, sampling_spec
 
     if sleep_mode and args.device == "cpu":
         return {"steps": [], "skipped": "vLLM's sleep mode needs a GPU"}
     apply_offline_env()
-    cfg, kept, _ = bench_config(args, model_dir, Path(args.cache) / "runs" / "unused")
+    cfg, _, _ = bench_config(args, model_dir, Path(args.cache) / "runs" / "unused")
     prompts = step_prompts(cfg, model_dir, args.steps)
     if args.device == "cpu":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
-    kwargs = engine_kwargs(
-        EngineOptions(
-            model_path=str(model_dir),
-            dtype=cfg.model.engine_dtype,
-            seed=cfg.seed,
-            platform=cfg.cluster.platform,
-            max_model_len=cfg.data.max_prompt_len + max(cfg.rollout.max_response_len, cfg.eval.max_response_len or 0),
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
-            enforce_eager=cfg.rollout.enforce_eager,
-            sleep_mode=sleep_mode,
-            extra=dict(cfg.rollout.vllm_kwargs),  # `--set rollout.vllm_kwargs.x=y` reaches both phases
-        )
-    )
-    kwargs.pop("worker_extension_cls", None)  # raw vLLM: no weight-sync extension
+    kwargs = raw_engine_kwargs(cfg, model_dir, sleep_mode)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     rec: dict = {
@@ -171,27 +157,55 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
             for i in range(len(batch))
         ]
         llm.reset_prefix_cache()  # as the loop does at every step
-        t, start_epoch = time.perf_counter(), time.time()
-        outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        dt = time.perf_counter() - t
-        lens = [len(c.token_ids) for o in outs for c in o.outputs]
-        rec["steps"].append(
-            {
-                "seconds": dt,
-                "tokens": sum(lens),
-                "tok_s": sum(lens) / dt,
-                "response_len_mean": statistics.fmean(lens),
-                "samples": len(lens),
-                "start_epoch": start_epoch,
-                "end_epoch": time.time(),
-            }
-        )
+        rec["steps"].append(timed_generate(llm, batch, params))
         partial.write_text(json.dumps(rec, default=str))
+        row = rec["steps"][-1]
         print(
-            f"[vllm{'_sleep' if sleep_mode else ''}] step {step}: {dt:.1f}s {sum(lens) / dt:,.0f} tok/s ({len(lens)} samples)",
+            f"[vllm{'_sleep' if sleep_mode else ''}] step {step}: {row['seconds']:.1f}s {row['tok_s']:,.0f} tok/s "
+            f"({row['samples']} samples)",
             flush=True,
         )
     return rec
+
+
+def raw_engine_kwargs(cfg, model_dir: Path, sleep_mode: bool) -> dict:
+    """vLLM's `LLM` arguments as the loop's engine gets them (vime_core.rollout.engine_kwargs), without the
+    weight-sync extension."""
+    from vime_core.rollout import EngineOptions, engine_kwargs
+
+    kwargs = engine_kwargs(
+        EngineOptions(
+            model_path=str(model_dir),
+            dtype=cfg.model.engine_dtype,
+            seed=cfg.seed,
+            platform=cfg.cluster.platform,
+            max_model_len=cfg.data.max_prompt_len + max(cfg.rollout.max_response_len, cfg.eval.max_response_len or 0),
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
+            enforce_eager=cfg.rollout.enforce_eager,
+            sleep_mode=sleep_mode,
+            extra=dict(cfg.rollout.vllm_kwargs),  # `--set rollout.vllm_kwargs.x=y` reaches both phases
+        )
+    )
+    kwargs.pop("worker_extension_cls", None)
+    return kwargs
+
+
+def timed_generate(llm, batch: list[list[int]], params: list) -> dict:
+    """One step's generate call and its record: seconds, tokens, tok/s, mean response length, wall-clock span."""
+    t, start_epoch = time.perf_counter(), time.time()
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    lens = [len(c.token_ids) for o in outs for c in o.outputs]
+    return {
+        "seconds": dt,
+        "tokens": sum(lens),
+        "tok_s": sum(lens) / dt,
+        "response_len_mean": statistics.fmean(lens),
+        "samples": len(lens),
+        "start_epoch": start_epoch,
+        "end_epoch": time.time(),
+    }
 
 
 def hf_batches(seqs: list[list[int]], starts: list[int], adv: list[float], budget: int, device):

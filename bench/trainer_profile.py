@@ -72,14 +72,12 @@ def profile_table(fn, rows: int = 18) -> dict:
     return {"wall_s": wall, "gpu_kernel_s": busy, "gpu_busy": busy / wall, "table": table}
 
 
-def run_trainer(args, model_dir: Path, overrides: list[str]) -> dict:
-    import torch
-
+def profile_config(args, model_dir: Path, overrides: list[str]):
+    """The loop's defaults on one CUDA device, bf16, megatron's optimizer; `args.samples` groups of 8 in one
+    optimizer step; `overrides` (a variant's `section.field=value`) on top."""
     from vime_core.config import load_config
-    from vime_core.trainer import Trainer, split_steps_and_ranks
 
-    n = args.samples * 8
-    cfg = load_config(
+    return load_config(
         None,
         [
             "cluster.platform=cuda",
@@ -88,17 +86,25 @@ def run_trainer(args, model_dir: Path, overrides: list[str]) -> dict:
             f"model.source={model_dir}",
             f"rollout.rollout_batch_size={args.samples}",
             "rollout.n_samples_per_prompt=8",
-            f"train.global_batch_size={n}",
+            f"train.global_batch_size={args.samples * 8}",
             f"rollout.max_response_len={args.response_len}",
             *overrides,
         ],
     )
+
+
+def run_trainer(args, model_dir: Path, overrides: list[str]) -> dict:
+    import torch
+
+    from vime_core.trainer import Trainer, split_steps_and_ranks
+
+    cfg = profile_config(args, model_dir, overrides)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     tr = Trainer(cfg, str(model_dir), 0, 1, "127.0.0.1", free_port(), "cuda")
     vocab = tr.state.arch.vocab_size
     rows = []
     for step in range(args.steps):
-        samples = synthetic(n, 40, args.response_len, vocab, step)
+        samples = synthetic(cfg.train.global_batch_size, 40, args.response_len, vocab, step)
         steps = split_steps_and_ranks(samples, cfg.num_steps_per_rollout, 1)[0]
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -107,30 +113,13 @@ def run_trainer(args, model_dir: Path, overrides: list[str]) -> dict:
         torch.cuda.synchronize()
         dt = time.perf_counter() - t
         tokens = sum(len(s.tokens) for s in samples)
+        peak = torch.cuda.max_memory_allocated() / 2**30
         rows.append(
-            {
-                "s": dt,
-                "tok_s": tokens / dt,
-                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-                "reported_tok_s": m.get("perf/actor_train_tok_per_s"),
-            }
+            {"s": dt, "tok_s": tokens / dt, "peak_gib": peak, "reported_tok_s": m.get("perf/actor_train_tok_per_s")}
         )
-        print(
-            f"[ours {' '.join(overrides) or 'defaults'}] step {step}: {dt:.1f}s {tokens / dt:,.0f} tok/s "
-            f"peak {rows[-1]['peak_gib']:.1f} GiB",
-            flush=True,
-        )
-    table = None
-    if args.profile:
-        mb = synthetic(2, 40, args.response_len, vocab, 99)
-        tr.state.model.train()
-
-        def fwd_bwd():
-            logp, _, _ = tr.steps.forward(tr.state.model, mb, with_entropy=True)
-            logp.sum().backward()
-
-        table = profile_table(fwd_bwd)
-        print(table["table"], f"wall {table['wall_s']:.3f}s, GPU busy {table['gpu_busy']:.2f}", flush=True)
+        label = " ".join(overrides) or "defaults"
+        print(f"[ours {label}] step {step}: {dt:.1f}s {tokens / dt:,.0f} tok/s peak {peak:.1f} GiB", flush=True)
+    table = profile_micro_batch(tr, args, vocab) if args.profile else None
     tr.shutdown()
     torch.cuda.empty_cache()
     return {
@@ -140,6 +129,20 @@ def run_trainer(args, model_dir: Path, overrides: list[str]) -> dict:
         "peak_gib": max(r["peak_gib"] for r in rows),
         "profile": table,
     }
+
+
+def profile_micro_batch(tr, args, vocab: int) -> dict:
+    """torch.profiler's top kernels of one two-sample micro-batch's forward + backward, and how busy the GPU was."""
+    mb = synthetic(2, 40, args.response_len, vocab, 99)
+    tr.state.model.train()
+
+    def fwd_bwd():
+        logp, _, _ = tr.steps.forward(tr.state.model, mb, with_entropy=True)
+        logp.sum().backward()
+
+    table = profile_table(fwd_bwd)
+    print(table["table"], f"wall {table['wall_s']:.3f}s, GPU busy {table['gpu_busy']:.2f}", flush=True)
+    return table
 
 
 def run_hf(args, model_dir: Path) -> dict:

@@ -39,67 +39,27 @@ def expected_batches() -> list[list[int]]:
 
 
 def test_sigkill_anywhere_then_resume(tmp_path, dense_model_dir):
-    out = tmp_path / "run"
-    save_dir = out / "checkpoints"
-    rng = random.Random()
-    seed = rng.randrange(10**6)
-    rng = random.Random(seed)
-    print(f"kill-time seed {seed}")
-
-    # attempt 1: killed at a random moment once training is under way
-    log1 = tmp_path / "attempt1.log"
-    p = start_train(out, log1)
-    # at a random step (never the last two, so the kill lands before the run ends: steps take ~0.5 s on 2 cores, a
-    # fixed 0-6 s delay outlived the whole run once) and a random moment inside it, a checkpoint write included
-    kill_step = rng.randrange(1, STEPS - 1)
-    wait_for(lambda: len(ledger(out)) >= kill_step, 600, p, log1)
-    time.sleep(rng.uniform(0.0, 0.4))
-    kill_group(p)
-    n1 = len(ledger(out))
-
-    # attempt 2: killed while writing a checkpoint that follows a complete one (the write is slowed down to widen
-    # the window), so that attempt 3 has to skip the torn one and resume from the complete one
     from vime_core.checkpoint import Checkpointer, iter_name
 
+    out = tmp_path / "run"
+    save_dir = out / "checkpoints"
+    seed = random.Random().randrange(10**6)
+    rng = random.Random(seed)
+    print(f"kill-time seed {seed}")
+    logs = [tmp_path / f"attempt{i}.log" for i in (1, 2, 3)]
+    n1 = kill_at_a_random_step(out, logs[0], rng)
+    kill_inside_a_checkpoint_write(out, logs[1], rng)
+    p = start_train(out, logs[2])  # attempt 3: runs to the end
+    assert p.wait(timeout=900) == 0, logs[2].read_text()[-3000:]
+
     ckpt = Checkpointer(save_dir)
-    log2 = tmp_path / "attempt2.log"
-    stale = set(save_dir.glob("iter_*.tmp-*"))  # attempt 1 may itself have died inside a write
-    p = start_train(out, log2, slow_commit=True)
-    wait_for(
-        lambda: (
-            ckpt.latest() is not None
-            and any(
-                d not in stale and (d / "model").exists() and d.name > ckpt.latest().name
-                for d in save_dir.glob("iter_*.tmp-*")
-            )
-        ),
-        600,
-        p,
-        log2,
-    )
-    time.sleep(rng.uniform(0.5, 3.0))
-    torn = next(d for d in save_dir.glob("iter_*.tmp-*") if d not in stale)
-    kill_group(p)
-    assert torn.exists(), "the kill was meant to land inside the checkpoint write"
-
-    # attempt 3: runs to the end
-    log3 = tmp_path / "attempt3.log"
-    p = start_train(out, log3)
-    assert p.wait(timeout=900) == 0, log3.read_text()[-3000:]
-
     assert ckpt.latest() == save_dir / iter_name(STEPS - 1)
     assert not any(save_dir.glob("iter_*.tmp-*")), "the next save cleans torn checkpoints up"
     assert all((c / "state.json").is_file() for c in ckpt.complete())
-
-    # the ledger, attempt by attempt
     entries = ledger(out)
-    attempts: list[list[dict]] = [[]]
-    for e in entries:
-        if attempts[-1] and e["rollout_id"] <= attempts[-1][-1]["rollout_id"]:
-            attempts.append([])
-        attempts[-1].append(e)
+    attempts = split_attempts(entries)
     starts = [a[0]["rollout_id"] for a in attempts]
-    resumes = [resumed_at(log) for log in (log1, log2, log3)]
+    resumes = [resumed_at(log) for log in logs]
     print(f"attempt starts {starts}, resumed at {resumes}, attempt-1 steps {n1}")
     assert starts[0] == 0
     assert resumes[2] is not None and resumes[2] > 0, "attempt 3 must resume from a complete checkpoint"
@@ -118,7 +78,50 @@ def test_sigkill_anywhere_then_resume(tmp_path, dense_model_dir):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["step"] == 0 and rows[-1]["step"] == STEPS - 1
     assert sorted({r["step"] for r in rows}) == list(range(STEPS))
-    last_attempt = [r["step"] for r in rows][-(STEPS - resumes[2]) :]
-    assert last_attempt == list(range(resumes[2], STEPS))
-    # every checkpoint left is intact by its manifest
-    assert all(not Checkpointer.problems(c) for c in ckpt.complete())
+    assert [r["step"] for r in rows][-(STEPS - resumes[2]) :] == list(range(resumes[2], STEPS))
+    assert all(not Checkpointer.problems(c) for c in ckpt.complete())  # every checkpoint left is intact
+
+
+def kill_at_a_random_step(out: Path, log: Path, rng: random.Random) -> int:
+    """Attempt 1: killed at a random step (never the last two, so the kill lands before the run ends: steps take
+    ~0.5 s on 2 cores, a fixed 0-6 s delay outlived the whole run once) and a random moment inside it, a checkpoint
+    write included. -> the steps it recorded."""
+    p = start_train(out, log)
+    kill_step = rng.randrange(1, STEPS - 1)
+    wait_for(lambda: len(ledger(out)) >= kill_step, 600, p, log)
+    time.sleep(rng.uniform(0.0, 0.4))
+    kill_group(p)
+    return len(ledger(out))
+
+
+def kill_inside_a_checkpoint_write(out: Path, log: Path, rng: random.Random) -> None:
+    """Attempt 2: killed while writing a checkpoint that follows a complete one (the write is slowed down to widen
+    the window), so that the next attempt has to skip the torn one and resume from the complete one."""
+    from vime_core.checkpoint import Checkpointer
+
+    save_dir = out / "checkpoints"
+    ckpt = Checkpointer(save_dir)
+    stale = set(save_dir.glob("iter_*.tmp-*"))  # attempt 1 may itself have died inside a write
+
+    def writing_after_a_complete_one() -> bool:
+        latest = ckpt.latest()
+        return latest is not None and any(
+            d not in stale and (d / "model").exists() and d.name > latest.name for d in save_dir.glob("iter_*.tmp-*")
+        )
+
+    p = start_train(out, log, slow_commit=True)
+    wait_for(writing_after_a_complete_one, 600, p, log)
+    time.sleep(rng.uniform(0.5, 3.0))
+    torn = next(d for d in save_dir.glob("iter_*.tmp-*") if d not in stale)
+    kill_group(p)
+    assert torn.exists(), "the kill was meant to land inside the checkpoint write"
+
+
+def split_attempts(entries: list[dict]) -> list[list[dict]]:
+    """The ledger's entries, attempt by attempt: a new attempt starts where the rollout id stops increasing."""
+    attempts: list[list[dict]] = [[]]
+    for e in entries:
+        if attempts[-1] and e["rollout_id"] <= attempts[-1][-1]["rollout_id"]:
+            attempts.append([])
+        attempts[-1].append(e)
+    return attempts
