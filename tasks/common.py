@@ -30,8 +30,8 @@ TRAIN_TIMEOUT_PER_STEP = HOUR  # the train task gets 1 h + 1 h per rollout step
 
 def tracking_retries(outage_s: float) -> dict[str, Any]:
     """Prefect `with_options` for a task that talks to MLflow: retried `retry_delays(outage_s)` apart
-    (`tracking.outage_s`). The old fixed [2, 10] gave up after 12 s, while a restarted tracking server took ~40 s to
-    answer again (issue 26)."""
+    (`tracking.outage_s`), long enough to outlast a tracking server's restart (~40 s measured), and only for errors
+    a retry can fix (`is_transient`)."""
     delays = retry_delays(outage_s)
     return {"retries": len(delays), "retry_delay_seconds": delays or 0, "retry_condition_fn": is_transient}
 

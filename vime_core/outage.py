@@ -1,6 +1,6 @@
 """Riding out a tracking server outage: wait for the store to answer, and a metrics sink that keeps what a
-restarting server did not take. The retry schedule, `retry_delays`, follows `tracking.outage_s` (the Prefect tasks' own retries use
-it too: tasks/common.py `tracking_retries`)."""
+restarting server did not take. One retry schedule, `retry_delays` of `tracking.outage_s`, serves both and the
+Prefect tasks' own retries (tasks/common.py `tracking_retries`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def retry_delays(outage_s: float) -> list[int]:
     """Seconds to wait between attempts while the tracking store does not answer (`tracking.outage_s`; the Prefect
     tasks' retries use the same list): 2, 4, 8, then every RECHECK_S, until they sum to `outage_s`. A restarted server
     is seen within RECHECK_S of answering again, where a delay that kept doubling would see it that much late. Longer
-    outages check every outage_s / 40 s, so that no list is longer than 44 (Prefect allows 50 retries; outage_s <= 1800)."""
+    outages check every outage_s / 40 s, so that no list is longer than 44 (Prefect allows 50 retries; outage_s
+    <= 1800)."""
     cap = max(RECHECK_S, math.ceil(outage_s / 40))
     delays: list[int] = []
     while sum(delays) < outage_s:
