@@ -33,9 +33,9 @@ shape) on CPU, config building and the hf phases only (seconds). `--device cpu -
 MFU = (model FLOPs of the passes the step ran: 2 x matmul params per token and pass (an MoE's active ones: attention,
 router, top-k experts, LM head), plus causal attention 2 x s x layers x heads x head_dim per token and pass; forward +
 backward = 3 passes, plus 1 for each sample that a no-grad old-log-prob forward covered: none for the loop at one
-optimizer step per rollout with train.old_logprobs auto, all for hf, none for hf_detached; plus 1 for R3's routing-agreement
-forward; recompute not counted) / time / 989e12 (H200 dense bf16 peak, spec sheet; the measured matmul rate is
-~790e12, ENVIRONMENT.md).
+optimizer step per rollout with train.old_logprobs auto, all for hf, none for hf_detached; plus 1 for R3's
+routing-agreement forward; recompute not counted) / time / 989e12 (H200 dense bf16 peak, spec sheet; the measured
+matmul rate is ~790e12, ENVIRONMENT.md).
 """
 
 from __future__ import annotations
