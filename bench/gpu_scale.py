@@ -128,9 +128,7 @@ def child_main(args) -> int:
         "loop_r3": functools.partial(ph.loop_phase, phase="loop_r3"),
         "vllm": ph.vllm_phase,
         "vllm_sleep": functools.partial(ph.vllm_phase, sleep_mode=True),
-        "hf": ph.hf_phase,
-        "hf_eager": functools.partial(ph.hf_phase, experts="eager"),
-        "hf_detached": functools.partial(ph.hf_phase, old_forward=False),
+        **{name: functools.partial(ph.hf_phase, **kw) for name, kw in ph.HF_VARIANTS.items()},
     }.get(args.child)
     rec = ph.build_checkpoint(args.shape, model_dir, args.device) if fn is None else fn(args, model_dir, partial)
     partial.write_text(json.dumps({**rec, "complete": True}, default=str))
@@ -342,11 +340,13 @@ def dry_run(args) -> int:
     check_model_compat(cfg, arch_from_hf_config(json.loads((model_dir / "config.json").read_text())))
     write_phase(args, "loop", {"steps": [], "skipped": "dry run", "overrides": kept, "dropped_overrides": dropped})
     partial = Path(args.out) / ".dry-hf.partial.json"
-    hf = {"hf": phases().hf_phase, "hf_detached": functools.partial(phases().hf_phase, old_forward=False)}
-    if is_moe_shape(args.shape):
-        hf["hf_eager"] = functools.partial(phases().hf_phase, experts="eager")
-    for phase, fn in hf.items():
-        rec = {**fn(args, model_dir, partial), "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    for phase, kw in phases().HF_VARIANTS.items():
+        if phase in MOE_PHASES and not is_moe_shape(args.shape):
+            continue
+        rec = {
+            **phases().hf_phase(args, model_dir, partial, **kw),
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         partial.unlink(missing_ok=True)
         doc = write_phase(args, phase, rec)
     print_summary(doc)

@@ -282,6 +282,10 @@ def hf_step(model, opt, seqs, starts, adv, budget: int, dev, old_forward: bool =
     return time.perf_counter() - t, len(mbs)
 
 
+# the transformers phases: hf_phase's arguments for each (hf_eager: MoE shapes only)
+HF_VARIANTS = {"hf": {}, "hf_eager": {"experts": "eager"}, "hf_detached": {"old_forward": False}}
+
+
 def hf_phase(args, model_dir: Path, partial: Path, experts: str | None = None, old_forward: bool = True) -> dict:
     """The transformers baseline. An MoE's experts run as `experts` asks, grouped_mm unless told (phase hf_eager:
     eager, a Python loop over the experts that tokens chose); batched_mm is not offered: it gathers a copy of the

@@ -102,6 +102,7 @@ def run_trainer(args, model_dir: Path, overrides: list[str]) -> dict:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     tr = Trainer(cfg, str(model_dir), 0, 1, "127.0.0.1", free_port(), "cuda")
     vocab = tr.state.arch.vocab_size
+    label = " ".join(overrides) or "defaults"
     rows = []
     for step in range(args.steps):
         samples = synthetic(cfg.train.global_batch_size, 40, args.response_len, vocab, step)
@@ -117,7 +118,6 @@ def run_trainer(args, model_dir: Path, overrides: list[str]) -> dict:
         rows.append(
             {"s": dt, "tok_s": tokens / dt, "peak_gib": peak, "reported_tok_s": m.get("perf/actor_train_tok_per_s")}
         )
-        label = " ".join(overrides) or "defaults"
         print(f"[ours {label}] step {step}: {dt:.1f}s {tokens / dt:,.0f} tok/s peak {peak:.1f} GiB", flush=True)
     table = profile_micro_batch(tr, args, vocab) if args.profile else None
     tr.shutdown()

@@ -207,15 +207,14 @@ def test_the_detached_hf_step_makes_the_same_update_as_the_one_with_an_old_forwa
     model_dir = tmp_path / "tiny"
     ph.build_checkpoint("tiny", model_dir, "cpu")
     seqs = [[5, 6, 7, 8, 9, 10], [5, 6, 11, 12, 13, 14]]
+    flat = lambda model: torch.cat([p.detach().flatten() for p in model.parameters()])  # noqa: E731
+    before = flat(ph.hf_model(model_dir, torch.device("cpu"))[0])
     params = []
     for old_forward in (True, False):
         model, opt = ph.hf_model(model_dir, torch.device("cpu"))
         ph.hf_step(model, opt, seqs, [2, 2], [1.0, -1.0], 64, torch.device("cpu"), old_forward)
-        params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-    moved = params[0] - torch.cat(
-        [p.detach().flatten() for p in ph.hf_model(model_dir, torch.device("cpu"))[0].parameters()]
-    )
-    assert moved.abs().max() > 0  # the step changed the weights, so equal updates say something
+        params.append(flat(model))
+    assert (params[0] - before).abs().max() > 0  # the step changed the weights, so equal updates say something
     torch.testing.assert_close(params[0], params[1])
 
 
