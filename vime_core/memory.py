@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 
 from vime_core.errors import VimeError
+from vime_core.pinned import PinnedArena
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -159,6 +160,7 @@ class HostOffload:
     def __init__(self, optimizer, model, module: torch.nn.Module, device: torch.device):
         self.optimizer, self.model, self.module, self.device = optimizer, model, module, device
         self._pinned: dict[int, torch.Tensor] = {}  # host buffers, kept across steps (pinning is slow)
+        self.arena = PinnedArena(pin=device.type == "cuda")  # packed: torch rounds each pinned allocation to 2^k
         self._pool: dict[tuple, list[torch.Tensor]] = defaultdict(list)  # pre-pinned, not yet given to a tensor
         self._prepin: threading.Thread | None = None
         self.prepinned_used = 0  # buffers the last offload took from the pre-pinned pool
@@ -184,11 +186,10 @@ class HostOffload:
         (the first offload of a 4B model took 26 s of a 38 s train step, later ones 1 s); started when the trainer
         is ready, it runs while vLLM generates the first rollout, when this rank is idle."""
         specs = self.expected_host_buffers()
-        pin = self.device.type == "cuda"
 
         def work():
-            for shape, dtype in specs:
-                self._pool[(tuple(shape), dtype)].append(torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin))
+            for (shape, dtype), buf in zip(specs, self.arena.take(specs)):
+                self._pool[(tuple(shape), dtype)].append(buf)
 
         self._prepin = threading.Thread(target=work, name="vime-prepin", daemon=True)
         self._prepin.start()
@@ -202,7 +203,7 @@ class HostOffload:
         host = pooled.pop() if pooled else None
         self.prepinned_used += host is not None
         if host is None:
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.device.type == "cuda")
+            host = self.arena.take([(t.shape, t.dtype)])[0]
         self._pinned[id(t)] = host
         return host
 
@@ -235,7 +236,7 @@ class HostOffload:
         for t in tensors:
             if isinstance(t, torch.nn.Parameter):
                 t.grad = None  # megatron's fp32 main grads: views of its buffer, set again by the next step
-        if self._prepin is not None:  # done long before on a GPU (a rollout's time); an unused buffer is dropped
+        if self._prepin is not None:  # done long before on a GPU (a rollout's time); unused buffers stay in their slab
             self._prepin.join()
             self._prepin = None
         hosts, self.prepinned_used = [], 0
@@ -276,4 +277,6 @@ class HostOffload:
         return time.perf_counter() - t0
 
     def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._pinned.values())
+        """Host memory held for the offload, pinned on a GPU: the arena's slabs (a pre-pinned buffer that no tensor
+        took stays in its slab)."""
+        return self.arena.nbytes()

@@ -1,0 +1,58 @@
+"""vime_core.pinned: host buffers carved from power-of-two slabs (unpinned on CPU; the packing is the same)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vime_core.pinned import ALIGN, PinnedArena, pow2_ceil
+
+KIB = 1024
+
+
+def test_buffers_have_their_shapes_and_dtypes_and_do_not_overlap():
+    arena = PinnedArena(pin=False, slab_bytes=64 * KIB)
+    specs = [((3, 5), torch.float32), ((7,), torch.bfloat16), ((), torch.float32), ((0, 4), torch.float32)]
+    specs += [((2048,), torch.float32)] * 3  # 8 KiB each
+    bufs = arena.take(specs)
+    assert [(tuple(b.shape), b.dtype) for b in bufs] == [(tuple(s), d) for s, d in specs]
+    for i, b in enumerate(bufs):
+        b.fill_(i + 1)
+    for i, b in enumerate(bufs):  # a buffer sharing bytes with another would read the later fill
+        assert torch.all(b == i + 1)
+    # offsets into the slab (a pinned slab starts on a page; a CPU tensor on 64 bytes)
+    assert all((b.data_ptr() - b.untyped_storage().data_ptr()) % ALIGN == 0 for b in bufs if b.numel())
+
+
+def test_every_slab_is_a_power_of_two_and_little_is_left_unused():
+    # the shapes of Qwen3-30B-A3B's grouped experts, scaled down: 1.5 and 0.75 units, three tensors each
+    unit = 64 * KIB
+    specs = [((3 * unit // 8,), torch.float32)] * 30 + [((3 * unit // 16,), torch.float32)] * 30
+    asked = sum(3 * unit // 2 for _ in range(30)) + sum(3 * unit // 4 for _ in range(30))
+    arena = PinnedArena(pin=False, slab_bytes=8 * unit)
+    arena.take(specs)
+    # what torch's pinned allocator would hold, one buffer per tensor rounded up to a power of two
+    rounded = sum(pow2_ceil(3 * unit // 2) for _ in range(30)) + sum(pow2_ceil(3 * unit // 4) for _ in range(30))
+    assert all(s.numel() == pow2_ceil(s.numel()) for s in arena.slabs)
+    assert arena.nbytes() < 1.10 * asked < rounded
+
+
+def test_later_takes_fill_the_room_left_in_earlier_slabs():
+    arena = PinnedArena(pin=False, slab_bytes=16 * KIB)
+    arena.take([((3 * KIB,), torch.float32)])  # 12 KiB, alone: a 16 KiB slab (the smallest that holds it)
+    assert arena.nbytes() == 16 * KIB
+    arena.take([((KIB // 2,), torch.float32)])  # 2 KiB fits in the first slab's last 4 KiB
+    assert len(arena.slabs) == 1
+    arena.take([((KIB,), torch.float32)])  # 4 KiB does not (2 KiB left): a new slab of 4 KiB
+    assert [s.numel() for s in arena.slabs] == [16 * KIB, 4 * KIB]
+
+
+def test_a_tensor_larger_than_a_slab_gets_a_slab_of_its_own():
+    arena = PinnedArena(pin=False, slab_bytes=4 * KIB)
+    (big,) = arena.take([((3 * KIB,), torch.float32)])  # 12 KiB
+    assert big.numel() == 3 * KIB and arena.nbytes() == 16 * KIB
+
+
+def test_slab_size_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="power of two"):
+        PinnedArena(pin=False, slab_bytes=3 * KIB)
