@@ -177,19 +177,26 @@ def layout_problems(arch: Qwen3Arch, layout: Layout) -> list[str]:
     return problems
 
 
-def params_per_device(arch: Qwen3Arch, layout: Layout) -> int:
-    """Parameters one trainer rank holds at `layout` (TP shards every matrix and the vocabulary, PP the layers, EP
-    the experts; norms and the router are replicated). The largest pipeline stage: it holds the embedding and, when
-    the output layer is untied, sits on the last stage too (counted on one stage, an upper bound)."""
+def tensor_numels_per_device(arch: Qwen3Arch, layout: Layout) -> list[int]:
+    """Elements of each weight tensor one trainer rank holds at `layout`, as its torch_dist checkpoint writes them (TP
+    shards every matrix and the vocabulary, PP the layers, EP the experts, each expert's fc1 and fc2 a tensor of
+    their own; norms and the router are replicated). The largest pipeline stage: it holds the embedding and, when the
+    output layer is untied, sits on the last stage too (counted on one stage, an upper bound)."""
     h, d, tp = arch.hidden_size, arch.head_dim, layout.tp
-    attn = (2 * arch.num_heads + 2 * arch.num_kv_heads) * d * h // tp + 2 * d + 2 * h  # q,o,k,v; q/k and layer norms
+    attn = [(arch.num_heads + 2 * arch.num_kv_heads) * d * h // tp, arch.num_heads * d * h // tp, d, d, h, h]
     if arch.is_moe:
-        mlp = arch.num_experts // layout.ep * 3 * h * arch.moe_ffn_hidden_size // tp + h * arch.num_experts
+        f = arch.moe_ffn_hidden_size
+        mlp = [2 * f * h // tp, f * h // tp] * (arch.num_experts // layout.ep) + [h * arch.num_experts]
     else:
-        mlp = 3 * h * arch.ffn_hidden_size // tp
+        mlp = [2 * arch.ffn_hidden_size * h // tp, arch.ffn_hidden_size * h // tp]
     layers = -(-arch.num_layers // layout.pp) * (attn + mlp)
-    vocab = arch.vocab_size * h // tp * (1 if arch.tie_embeddings or layout.pp > 1 else 2)
-    return layers + vocab + h  # + the final norm
+    vocab = [arch.vocab_size * h // tp] * (1 if arch.tie_embeddings or layout.pp > 1 else 2)
+    return layers + vocab + [h]  # + the final norm
+
+
+def params_per_device(arch: Qwen3Arch, layout: Layout) -> int:
+    """Parameters one trainer rank holds at `layout`: the sum of `tensor_numels_per_device`."""
+    return sum(tensor_numels_per_device(arch, layout))
 
 
 def expert_params_per_device(arch: Qwen3Arch, layout: Layout) -> int:
@@ -219,6 +226,9 @@ class Qwen3Spec:
 
     def expert_params_per_device(self, arch: Qwen3Arch, layout: Layout) -> int:
         return expert_params_per_device(arch, layout)
+
+    def tensor_numels_per_device(self, arch: Qwen3Arch, layout: Layout) -> list[int]:
+        return tensor_numels_per_device(arch, layout)
 
     def mapping(self) -> ModuleType:
         from vime_core.models import qwen3_mapping  # imports torch (~1.7 s): only where weights are handled

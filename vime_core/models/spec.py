@@ -67,6 +67,9 @@ class ModelSpec(Protocol):
         """Of those, the routed experts' (0 for a dense model): their optimizer state shards over expert-data-parallel
         ranks."""
 
+    def tensor_numels_per_device(self, arch: Any, layout: Layout) -> list[int]:
+        """Those parameters as the weight tensors a torch_dist checkpoint writes (sizes of its host staging copies)."""
+
     def mapping(self) -> ModuleType:
         """The HF <-> megatron weight mapping: hf_names, check_hf_names, check_shapes, hf_to_mcore,
         mcore_param_to_hf, local_view, shard_tp / unshard_tp, expert_index / with_expert_index."""
