@@ -16,9 +16,10 @@ The rule, per device:
   vLLM generates (its weights, plus its optimizer state unless train.offload_optimizer moves it to the host);
 - the host holds the offloaded optimizer state of every trainer rank on the node, at sleep level 1 each engine's
   weights, and while a checkpoint is saved a copy of every rank's weights (megatron's torch_dist writer stages them
-  in pinned host memory before it writes, each tensor rounded up to a power of two: `staging_bytes`); HOST_RESERVE_GIB stays for the processes themselves (vLLM, Ray, Python, CUDA),
-  and the whole must stay under Ray's memory monitor, which kills the largest worker above RAY_MEMORY_THRESHOLD of
-  the host (Qwen3-8B on one H200 at 75% offload: the trainer was killed at 114 GB while saving).
+  in pinned host memory before it writes, each tensor rounded up to a power of two: `staging_bytes`);
+  HOST_RESERVE_GIB stays for the processes themselves (vLLM, Ray, Python, CUDA), and the whole must stay under Ray's
+  memory monitor, which kills the largest worker above RAY_MEMORY_THRESHOLD of the host (Qwen3-8B on one H200 at 75%
+  offload: the trainer was killed at 114 GB while saving).
 """
 
 from __future__ import annotations
