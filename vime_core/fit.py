@@ -30,12 +30,12 @@ from typing import Any
 
 from vime_core.config import ConfigError, RunConfig
 from vime_core.models import Layout, spec_of
+from vime_core.platform import RAY_MEMORY_THRESHOLD
 
 GIB = 2**30
 CONTEXT_GIB = 1.0  # CUDA context and workspaces of one process
 ASLEEP_GIB = 2.0  # what a sleeping vLLM engine keeps on its device (CUDA graphs, context)
 HOST_RESERVE_GIB = 14.0  # the processes' own: vLLM, Ray, Python, CUDA (Qwen3-8B run: 121 GiB used - 107 counted)
-RAY_MEMORY_THRESHOLD = 0.95  # Ray's default memory_usage_threshold: above it Ray kills a worker
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 

@@ -21,7 +21,8 @@ from contextlib import contextmanager
 import torch
 
 from vime_core.errors import VimeError
-from vime_core.pinned import PinnedArena
+from vime_core.pinned import PinnedArena, buffer_bytes, typed
+from vime_core.platform import host_room_bytes
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -160,52 +161,76 @@ class HostOffload:
     def __init__(self, optimizer, model, module: torch.nn.Module, device: torch.device):
         self.optimizer, self.model, self.module, self.device = optimizer, model, module, device
         self._pinned: dict[int, torch.Tensor] = {}  # host buffers, kept across steps (pinning is slow)
-        self.arena = PinnedArena(pin=device.type == "cuda")  # packed: torch rounds each pinned allocation to 2^k
-        self._pool: dict[tuple, list[torch.Tensor]] = defaultdict(list)  # pre-pinned, not yet given to a tensor
+        pin = device.type == "cuda"
+        self.arena = PinnedArena(  # packed: torch rounds each pinned allocation to 2^k
+            pin,
+            room=host_room_bytes if pin else None,
+            what="the optimizer offload (train.offload_optimizer)",
+            fix="run a smaller model or fewer layers per device, or set train.offload_optimizer = false if the "
+            "state fits on the GPU (the fit check says)",
+        )
+        # pre-pinned uint8 buffers by size, not yet given to a tensor: any tensor of that many bytes takes one, so a
+        # state tensor whose shape or dtype the forecast got wrong still finds its buffer instead of pinning anew
+        self._pool: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._prepin: threading.Thread | None = None
+        self._prepin_error: BaseException | None = None
         self.prepinned_used = 0  # buffers the last offload took from the pre-pinned pool
+        self.new_buffers = 0  # buffers the last offload had to pin itself (the forecast missed them)
         self._moved: list[torch.Tensor] = []
         self._freed: list[tuple[torch.Tensor, int]] = []
         self.offloaded = False
 
     def expected_host_buffers(self) -> list[tuple[torch.Size, torch.dtype]]:
         """The (shape, dtype) of what the first offload will move, known before the first step: each device-side
-        parameter of the optimizer that is not a model weight (megatron's fp32 main params), and two Adam moments of
-        its shape and dtype per parameter (the optimizers create them lazily, in the first step)."""
+        parameter of the optimizer that is not a model weight (megatron's fp32 main params), two Adam moments of
+        its shape and dtype per parameter, and its `step` where that lives beside it (a fused or capturable group,
+        or a CPU run); the optimizers create the state lazily, in the first step."""
         own = {id(p) for p in self.module.parameters()}
         out = []
         for opt in _torch_optimizers(self.optimizer):
             for group in opt.param_groups:
+                step_here = self.device.type == "cpu" or bool(group.get("fused") or group.get("capturable"))
                 for p in group["params"]:
                     if p.device == self.device:
                         out += [(p.shape, p.dtype)] * (2 if id(p) in own else 3)
+                        out += [(torch.Size(()), torch.float32)] * step_here
         return out
 
     def start_prepinning(self) -> None:
         """Allocate the host buffers of the first offload in a background thread. Pinning page-locks every page
         (the first offload of a 4B model took 26 s of a 38 s train step, later ones 1 s); started when the trainer
-        is ready, it runs while vLLM generates the first rollout, when this rank is idle."""
-        specs = self.expected_host_buffers()
+        is ready, it runs while vLLM generates the first rollout, when this rank is idle. An error (HostMemoryError)
+        is raised by the offload that waits for it."""
+        sizes = [buffer_bytes(shape, dtype) for shape, dtype in self.expected_host_buffers()]
 
         def work():
-            for (shape, dtype), buf in zip(specs, self.arena.take(specs)):
-                self._pool[(tuple(shape), dtype)].append(buf)
+            try:
+                for n, raw in zip(sizes, self.arena.take_raw(sizes)):
+                    self._pool[n].append(raw)
+            except BaseException as e:  # noqa: BLE001 - handed to the offload, which raises it in the rank
+                self._prepin_error = e
 
         self._prepin = threading.Thread(target=work, name="vime-prepin", daemon=True)
         self._prepin.start()
 
     def _host_buffer(self, t: torch.Tensor) -> torch.Tensor:
-        """`t`'s host buffer: the one it had, else a pre-pinned one of its shape, else a new one."""
+        """`t`'s host buffer: the one it had, else a pre-pinned one of its size, else a new one."""
         host = self._pinned.get(id(t))
         if host is not None and host.shape == t.shape and host.dtype == t.dtype:
             return host
-        pooled = self._pool.get((tuple(t.shape), t.dtype))
-        host = pooled.pop() if pooled else None
-        self.prepinned_used += host is not None
-        if host is None:
-            host = self.arena.take([(t.shape, t.dtype)])[0]
+        raw = self._from_pool(t.numel() * t.element_size())
+        self.prepinned_used += raw is not None
+        self.new_buffers += raw is None
+        host = typed(raw, t.shape, t.dtype) if raw is not None else self.arena.take([(t.shape, t.dtype)])[0]
         self._pinned[id(t)] = host
         return host
+
+    def _from_pool(self, n: int) -> torch.Tensor | None:
+        """A pre-pinned buffer of `n` bytes, else the smallest larger one (its tail unused), else None."""
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        fits = [k for k, bufs in self._pool.items() if k >= n and bufs]
+        return self._pool[min(fits)].pop() if fits else None
 
     def _tensors(self) -> list[torch.Tensor]:
         """Optimizer-side tensors on the device: state (Adam moments) and main params that are not model weights."""
@@ -239,7 +264,9 @@ class HostOffload:
         if self._prepin is not None:  # done long before on a GPU (a rollout's time); unused buffers stay in their slab
             self._prepin.join()
             self._prepin = None
-        hosts, self.prepinned_used = [], 0
+            if self._prepin_error is not None:
+                raise self._prepin_error
+        hosts, self.prepinned_used, self.new_buffers = [], 0, 0
         for t in tensors:
             host = self._host_buffer(t)
             host.copy_(t, non_blocking=True)

@@ -12,13 +12,21 @@ it in its first checkpoint save.
 them, largest first into the first slab with room (first-fit decreasing); a new slab is the largest power of two that
 the bytes still to place fill, capped at `SLAB_BYTES`, so the last one is not mostly empty either. The slabs live as
 long as the arena: buffers are kept across steps anyway, since pinning is slow.
+
+Pinned pages cannot be swapped or reclaimed, and Ray's memory monitor kills the largest worker once the host passes
+its threshold (the 30B-A3B loop: "4 worker(s) were killed", the trainer at 112 GiB, with nothing saying why). With a
+`room` function the arena refuses a slab that would take the host past that line and raises HostMemoryError, which
+names the sizes and the setting, before it pins anything.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
+
+from vime_core.errors import VimeError
 
 ALIGN = 512  # offset of every buffer in its slab (pinned slabs start on a page): any dtype's alignment
 SLAB_BYTES = 8 << 30  # pinned at once in the background; large enough that 1.5 GiB tensors waste < 7% of a slab
@@ -43,14 +51,27 @@ def aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+class HostMemoryError(VimeError, MemoryError):
+    """Pinning more host memory would take the host past Ray's memory-monitor line; the message names the setting."""
+
+
 class PinnedArena:
     """Host buffers as views into power-of-two slabs (see the module doc); plain host memory where `pin` is False
     (CPU runs and tests), packed the same way."""
 
-    def __init__(self, pin: bool, slab_bytes: int = SLAB_BYTES):
+    def __init__(
+        self,
+        pin: bool,
+        slab_bytes: int = SLAB_BYTES,
+        room: Callable[[], int] | None = None,
+        what: str = "host buffers",
+        fix: str = "give the host more memory",
+    ):
+        """`room`: bytes the host can still give (see `vime_core.platform.host_room_bytes`), asked before each new
+        slab; `what` (the buffers' purpose) and `fix` (the setting to change) make HostMemoryError's message."""
         if slab_bytes != pow2_ceil(slab_bytes):
             raise ValueError(f"slab_bytes must be a power of two, got {slab_bytes}")
-        self.pin, self.slab_bytes = pin, slab_bytes
+        self.pin, self.slab_bytes, self.room, self.what, self.fix = pin, slab_bytes, room, what, fix
         self.slabs: list[torch.Tensor] = []  # uint8, each a power of two long
         self.used: list[int] = []  # bytes handed out from the start of each slab
         self.lock = threading.Lock()  # pre-pinning fills the arena from a background thread
@@ -61,18 +82,22 @@ class PinnedArena:
 
     def take(self, specs: list[tuple[torch.Size | tuple, torch.dtype]]) -> list[torch.Tensor]:
         """One new buffer per (shape, dtype) of `specs`, in their order; placed largest first."""
-        sizes = [buffer_bytes(shape, dtype) for shape, dtype in specs]
-        out: list[torch.Tensor | None] = [None] * len(specs)
+        raws = self.take_raw([buffer_bytes(shape, dtype) for shape, dtype in specs])
+        return [typed(raw, shape, dtype) for raw, (shape, dtype) in zip(raws, specs)]
+
+    def take_raw(self, sizes: list[int]) -> list[torch.Tensor]:
+        """One new uint8 buffer of each of `sizes` bytes, in their order; placed largest first (`typed` views one
+        as a tensor of any shape and dtype of that many bytes)."""
+        out: list[torch.Tensor | None] = [None] * len(sizes)
         left = sum(aligned(n) for n in sizes)
         with self.lock:
-            for i in sorted(range(len(specs)), key=lambda i: -sizes[i]):
-                shape, dtype = specs[i]
+            for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
                 if sizes[i] == 0:
-                    out[i] = torch.empty(shape, dtype=dtype)
+                    out[i] = torch.empty(0, dtype=torch.uint8)
                     continue
                 slab, start = self.place(aligned(sizes[i]), left)
                 left -= aligned(sizes[i])
-                out[i] = self.slabs[slab][start : start + sizes[i]].view(dtype).view(shape)
+                out[i] = self.slabs[slab][start : start + sizes[i]]
         return out  # type: ignore[return-value]
 
     def place(self, n: int, left: int) -> tuple[int, int]:
@@ -84,6 +109,25 @@ class PinnedArena:
                 self.used[k] += n
                 return k, start
         size = max(pow2_ceil(n), min(self.slab_bytes, pow2_floor(left)))
+        if self.room is not None:
+            self.check_room(size)
         self.slabs.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
         self.used.append(n)
         return len(self.slabs) - 1, 0
+
+    def check_room(self, size: int) -> None:
+        room = self.room()  # type: ignore[misc]
+        if size > room:
+            raise HostMemoryError(
+                f"{self.what}: pinning another {size / 2**30:.1f} GiB (after {self.nbytes() / 2**30:.1f} GiB) "
+                f"would take the host past Ray's memory-monitor line ({max(room, 0) / 2**30:.1f} GiB left below "
+                f"it), and Ray would kill the process: {self.fix}"
+            )
+
+
+def typed(raw: torch.Tensor, shape: torch.Size | tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The first bytes of the uint8 buffer `raw` as a tensor of `shape` and `dtype` (no copy)."""
+    n = buffer_bytes(shape, dtype)
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    return raw[:n].view(dtype).view(shape)

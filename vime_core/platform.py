@@ -135,6 +135,26 @@ def worker_env(
     return env
 
 
+RAY_MEMORY_THRESHOLD = 0.95  # Ray's default memory_usage_threshold: above it Ray kills a worker
+HOST_ROOM_MARGIN = 1 << 30  # left below that line for what the other processes allocate meanwhile
+
+
+def host_room_bytes() -> int:
+    """Host memory this process may still take before the host passes Ray's memory-monitor line (used as total
+    minus available, as psutil reads /proc/meminfo), less a margin for the other processes. Negative when past it."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return int(vm.total * RAY_MEMORY_THRESHOLD - (vm.total - vm.available) - HOST_ROOM_MARGIN)
+
+
+def rss_gib() -> float:
+    """Resident memory of this process now (pinned host buffers included)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**30
+
+
 def max_rss_gib() -> float:
     """Peak resident memory of this process (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

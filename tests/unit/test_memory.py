@@ -165,15 +165,59 @@ def test_the_first_offload_takes_host_buffers_pinned_while_the_rank_was_idle():
     ref_model, ref_opt = _model_and_optimizer()
     model, opt = _model_and_optimizer()
     off = HostOffload(opt, model, model, torch.device("cpu"))
-    # two Adam moments per weight, known before the optimizer creates them in its first step
-    assert off.expected_host_buffers() == [(p.shape, p.dtype) for p in model.parameters() for _ in range(2)]
+    # two Adam moments and the step count per weight, known before the optimizer creates them in its first step
+    step = (torch.Size(()), torch.float32)
+    assert off.expected_host_buffers() == [b for p in model.parameters() for b in [(p.shape, p.dtype)] * 2 + [step]]
     off.start_prepinning()
-    for step in range(2):
+    for k in range(2):
         _step(ref_model, ref_opt, x)
         _step(model, opt, x)
         off.offload()
-        # the moments (8) come from the pool on the first offload; later offloads reuse their own buffers
-        assert off.prepinned_used == (8 if step == 0 else 0)
+        # the moments (8) and steps (4) come from the pool on the first offload; later ones reuse their own buffers
+        assert (off.prepinned_used, off.new_buffers) == ((12, 0) if k == 0 else (0, 0))
         off.onload()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_mis_forecast_shape_still_takes_its_pre_pinned_buffer_by_size():
+    """The pool is keyed by bytes: a state tensor whose shape (or dtype) the forecast got wrong, e.g. flattened,
+    takes the buffer pinned for it instead of pinning a second one beside it."""
+    model, opt = _model_and_optimizer()
+    off = HostOffload(opt, model, model, torch.device("cpu"))
+    forecast = off.expected_host_buffers()
+    assert all(d == torch.float32 for _, d in forecast)
+    off.expected_host_buffers = lambda: [((s.numel() * 4,), torch.uint8) for s, _ in forecast]  # same bytes
+    off.start_prepinning()
+    pinned = off.arena.nbytes
+    _step(model, opt, torch.randn(5, 6, dtype=torch.float32))
+    off.offload()
+    assert (off.prepinned_used, off.new_buffers) == (12, 0)
+    held = off.host_bytes()
+    off.onload()
+    _step(model, opt, torch.randn(5, 6, dtype=torch.float32))
+    off.offload()
+    assert off.host_bytes() == held == pinned()  # nothing pinned after the pre-pinning
+
+
+def test_a_host_without_room_refuses_the_offload_and_training_goes_on():
+    """Pinning past Ray's memory-monitor line would get the trainer killed with no word of why: the arena refuses the
+    slab with HostMemoryError naming the setting, the state stays on the device and the next step still runs."""
+    from vime_core.pinned import HostMemoryError
+
+    x = torch.randn(5, 6, dtype=torch.float32)
+    ref_model, ref_opt = _model_and_optimizer()
+    model, opt = _model_and_optimizer()
+    off = HostOffload(opt, model, model, torch.device("cpu"))
+    off.arena.room = lambda: 1024  # bytes the host can still give
+    off.start_prepinning()
+    _step(ref_model, ref_opt, x)
+    _step(model, opt, x)
+    with pytest.raises(HostMemoryError, match=r"train\.offload_optimizer.*Ray's memory-monitor line") as e:
+        off.offload()
+    assert isinstance(e.value, VimeError) and "\n" not in str(e.value)
+    assert not off.offloaded and off.arena.nbytes() == 0
+    _step(ref_model, ref_opt, x)
+    _step(model, opt, x)
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert torch.equal(p, q)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from vime_core.pinned import ALIGN, PinnedArena, pow2_ceil
+from vime_core.pinned import ALIGN, HostMemoryError, PinnedArena, pow2_ceil
 
 KIB = 1024
 
@@ -56,3 +58,26 @@ def test_a_tensor_larger_than_a_slab_gets_a_slab_of_its_own():
 def test_slab_size_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="power of two"):
         PinnedArena(pin=False, slab_bytes=3 * KIB)
+
+
+def test_a_slab_past_the_hosts_room_is_refused_before_it_is_pinned():
+    room = {"bytes": 20 * KIB}
+    arena = PinnedArena(pin=False, slab_bytes=16 * KIB, room=lambda: room["bytes"], what="the offload", fix="do X")
+    arena.take([((3 * KIB,), torch.float32)])  # a 16 KiB slab: within the 20 KiB of room
+    room["bytes"] = 4 * KIB  # what the host has left after it
+    with pytest.raises(
+        HostMemoryError, match=r"^the offload: pinning another 0\.0 GiB .* Ray's memory-monitor .*: do X$"
+    ):
+        arena.take([((2 * KIB,), torch.float32)])  # 8 KiB more: refused, nothing allocated
+    assert arena.nbytes() == 16 * KIB
+
+
+def test_host_room_is_what_stays_below_rays_line(monkeypatch):
+    import psutil
+
+    from vime_core import platform
+
+    gib = 2**30
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=100 * gib, available=20 * gib))
+    # Ray kills above 95 of 100 GiB used; 80 are used; 1 GiB stays for the other processes
+    assert platform.host_room_bytes() == 14 * gib

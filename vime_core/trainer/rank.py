@@ -241,10 +241,21 @@ class Trainer:
         before. None when not enabled."""
         if not self.offload_enabled:
             return None
-        seconds = self.offloader.offload()
+        from vime_core.platform import rss_gib
+
+        off = self.offloader
+        seconds = off.offload()
         resident = torch.cuda.memory_allocated(self.device) / 2**30
         self.state.peaks.record("offloaded", resident)
-        return {"perf/optimizer_offload_time": seconds, "perf/trainer_resident_after_offload_gib": resident}
+        return {
+            "perf/optimizer_offload_time": seconds,
+            "perf/trainer_resident_after_offload_gib": resident,
+            # host side: what the offload holds pinned, how many of its buffers the pre-pinning did not foresee
+            # (each pinned anew beside the unused forecast ones), and the trainer's whole resident memory
+            "perf/host_offload_gib": off.host_bytes() / 2**30,
+            "perf/offload_unforeseen_buffers": float(off.new_buffers),
+            "perf/trainer_host_rss_gib": rss_gib(),
+        }
 
     def onload_optimizer(self) -> bool:
         """Back on the device before training. False when not enabled."""
