@@ -220,9 +220,10 @@ def already_registered(cfg: RunConfig, run_id: str | None, checkpoint: str) -> b
     re-run of a finished run): then nothing is new. Without tracking, nothing trained means nothing new."""
     if not run_id:
         return True
-    from vime_core.tracking import MlflowRun
+    from vime_core.tracking import mlflow_client
 
-    tags = MlflowRun(*tracking_target(cfg), run_id=run_id).client.get_run(run_id).data.tags
+    # read only: continuing the run (MlflowRun) would mark a finished run RUNNING again just to read its tags
+    tags = mlflow_client(tracking_target(cfg)[0]).get_run(run_id).data.tags
     registered = tags.get("vime.registered_checkpoint")
     return registered is not None and Path(registered).resolve() == Path(checkpoint).resolve()
 

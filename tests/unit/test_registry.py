@@ -154,6 +154,46 @@ def test_runs_are_model_training_runs_with_changes_and_inputs_recorded(store):
     assert [(i.dataset.name, i.dataset.digest, i.tags[0].value) for i in inputs] == [("train", "abc", "training")]
 
 
+def test_a_run_continued_after_it_ended_leaves_the_pause_out_of_its_duration(store, monkeypatch):
+    """A 4-minute night re-run 30 minutes after it ended showed a 34-minute duration: MLflow's duration is end_time -
+    start_time. The continued run's end_time leaves the pause out; the real end is a tag."""
+    from mlflow.tracking import MlflowClient
+
+    from vime_core import tracking
+
+    minute = 60_000
+    clock = {"ms": 1_800_000_000_000}
+    monkeypatch.setattr(tracking, "now_ms", lambda: clock["ms"])
+    run = tracking.MlflowRun(store, "duration-test", run_name="night")
+    clock["ms"] += 4 * minute
+    run.end()
+    clock["ms"] += 30 * minute  # stood FINISHED
+    again = tracking.MlflowRun(store, "duration-test", run_id=run.run_id)
+    clock["ms"] += minute // 10  # the re-run's own work: 6 s
+    again.end()
+    info = MlflowClient(tracking_uri=store).get_run(run.run_id)
+    assert info.info.status == "FINISHED"
+    assert info.info.end_time - info.info.start_time == 4 * minute + minute // 10
+    assert info.data.tags[tracking.PAUSED_TAG] == str(30 * minute)
+    assert info.data.tags[tracking.ENDED_AT_TAG] == "2027-01-15T08:34:06Z"  # the wall clock: 34 min 6 s after start
+
+
+def test_a_run_that_never_ended_keeps_its_duration_as_measured(store, monkeypatch):
+    """Continued while RUNNING (the pipeline's tasks hand the run on; a SIGKILL leaves it so): no pause is known."""
+    from mlflow.tracking import MlflowClient
+
+    from vime_core import tracking
+
+    clock = {"ms": 1_800_000_000_000}
+    monkeypatch.setattr(tracking, "now_ms", lambda: clock["ms"])
+    run = tracking.MlflowRun(store, "duration-test", run_name="night")
+    clock["ms"] += 300_000
+    tracking.MlflowRun(store, "duration-test", run_id=run.run_id).end()
+    info = MlflowClient(tracking_uri=store).get_run(run.run_id)
+    assert info.info.end_time - info.info.start_time == 300_000
+    assert tracking.PAUSED_TAG not in info.data.tags and tracking.ENDED_AT_TAG not in info.data.tags
+
+
 def test_every_evaluation_row_becomes_a_child_run_at_its_step(store):
     from mlflow.tracking import MlflowClient
 
