@@ -15,13 +15,12 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
 
 from vime_core.errors import VimeError
-from vime_core.pinned import PinnedArena, buffer_bytes, typed
+from vime_core.pinned import PinnedArena, buffer_bytes
 from vime_core.platform import host_room_bytes
 
 
@@ -169,13 +168,9 @@ class HostOffload:
             fix="run a smaller model or fewer layers per device, or set train.offload_optimizer = false if the "
             "state fits on the GPU (the fit check says)",
         )
-        # pre-pinned uint8 buffers by size, not yet given to a tensor: any tensor of that many bytes takes one, so a
-        # state tensor whose shape or dtype the forecast got wrong still finds its buffer instead of pinning anew
-        self._pool: dict[int, list[torch.Tensor]] = defaultdict(list)
         self._prepin: threading.Thread | None = None
         self._prepin_error: BaseException | None = None
-        self.prepinned_used = 0  # buffers the last offload took from the pre-pinned pool
-        self.new_buffers = 0  # buffers the last offload had to pin itself (the forecast missed them)
+        self.reserved_bytes = 0  # what the pre-pinning reserved: the first offload's buffers are cut from it
         self._moved: list[torch.Tensor] = []
         self._freed: list[tuple[torch.Tensor, int]] = []
         self.offloaded = False
@@ -197,40 +192,37 @@ class HostOffload:
         return out
 
     def start_prepinning(self) -> None:
-        """Allocate the host buffers of the first offload in a background thread. Pinning page-locks every page
-        (the first offload of a 4B model took 26 s of a 38 s train step, later ones 1 s); started when the trainer
-        is ready, it runs while vLLM generates the first rollout, when this rank is idle. An error (HostMemoryError)
-        is raised by the offload that waits for it."""
+        """Pin the host memory of the first offload in a background thread. Pinning page-locks every page (the first
+        offload of a 4B model took 26 s of a 38 s train step, later ones 1 s); started when the trainer is ready, it
+        runs while vLLM generates the first rollout, when this rank is idle. It reserves slabs only (see
+        PinnedArena.reserve); an error (HostMemoryError) is raised by the offload that waits for it."""
         sizes = [buffer_bytes(shape, dtype) for shape, dtype in self.expected_host_buffers()]
 
         def work():
             try:
-                for n, raw in zip(sizes, self.arena.take_raw(sizes)):
-                    self._pool[n].append(raw)
+                self.arena.reserve(sizes)
+                self.reserved_bytes = self.arena.nbytes()
             except BaseException as e:  # noqa: BLE001 - handed to the offload, which raises it in the rank
                 self._prepin_error = e
 
         self._prepin = threading.Thread(target=work, name="vime-prepin", daemon=True)
         self._prepin.start()
 
-    def _host_buffer(self, t: torch.Tensor) -> torch.Tensor:
-        """`t`'s host buffer: the one it had, else a pre-pinned one of its size, else a new one."""
-        host = self._pinned.get(id(t))
-        if host is not None and host.shape == t.shape and host.dtype == t.dtype:
-            return host
-        raw = self._from_pool(t.numel() * t.element_size())
-        self.prepinned_used += raw is not None
-        self.new_buffers += raw is None
-        host = typed(raw, t.shape, t.dtype) if raw is not None else self.arena.take([(t.shape, t.dtype)])[0]
-        self._pinned[id(t)] = host
-        return host
+    def _host_buffers(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each tensor's host buffer: the one it had, else one cut from the arena (all new ones in one placement,
+        largest first, into the reserved slabs)."""
+        new = [t for t in tensors if not self._has_buffer(t)]
+        for t, host in zip(new, self.arena.take([(t.shape, t.dtype) for t in new])):
+            self._pinned[id(t)] = host
+        return [self._pinned[id(t)] for t in tensors]
 
-    def _from_pool(self, n: int) -> torch.Tensor | None:
-        """A pre-pinned buffer of `n` bytes, else the smallest larger one (its tail unused), else None."""
-        if n == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        fits = [k for k, bufs in self._pool.items() if k >= n and bufs]
-        return self._pool[min(fits)].pop() if fits else None
+    def _has_buffer(self, t: torch.Tensor) -> bool:
+        host = self._pinned.get(id(t))
+        return host is not None and host.shape == t.shape and host.dtype == t.dtype
+
+    def unforeseen_bytes(self) -> int:
+        """Host memory pinned beyond what the pre-pinning reserved (0 when its forecast held)."""
+        return max(0, self.arena.nbytes() - self.reserved_bytes) if self.reserved_bytes else 0
 
     def _tensors(self) -> list[torch.Tensor]:
         """Optimizer-side tensors on the device: state (Adam moments) and main params that are not model weights."""
@@ -266,12 +258,9 @@ class HostOffload:
             self._prepin = None
             if self._prepin_error is not None:
                 raise self._prepin_error
-        hosts, self.prepinned_used, self.new_buffers = [], 0, 0
-        for t in tensors:
-            host = self._host_buffer(t)
+        hosts = self._host_buffers(tensors)
+        for t, host in zip(tensors, hosts):
             host.copy_(t, non_blocking=True)
-            hosts.append(host)
-        self._pool.clear()
         if cuda:
             torch.cuda.synchronize(self.device)
         for t, host in zip(tensors, hosts):

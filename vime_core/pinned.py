@@ -11,7 +11,9 @@ it in its first checkpoint save.
 `PinnedArena` asks the allocator only for power-of-two slabs (so nothing is rounded) and carves the buffers out of
 them, largest first into the first slab with room (first-fit decreasing); a new slab is the largest power of two that
 the bytes still to place fill, capped at `SLAB_BYTES`, so the last one is not mostly empty either. The slabs live as
-long as the arena: buffers are kept across steps anyway, since pinning is slow.
+long as the arena: buffers are kept across steps anyway, since pinning is slow. `reserve` pins the slabs ahead of
+time (while the rank is idle) without carving them: the buffers are cut when the real tensors are known, so a
+forecast that got a shape, a dtype or a count wrong costs no second copy.
 
 Pinned pages cannot be swapped or reclaimed, and Ray's memory monitor kills the largest worker once the host passes
 its threshold (the 30B-A3B loop: "4 worker(s) were killed", the trainer at 112 GiB, with nothing saying why). With a
@@ -88,16 +90,27 @@ class PinnedArena:
     def take_raw(self, sizes: list[int]) -> list[torch.Tensor]:
         """One new uint8 buffer of each of `sizes` bytes, in their order; placed largest first (`typed` views one
         as a tensor of any shape and dtype of that many bytes)."""
+        with self.lock:
+            return self.place_all(sizes)
+
+    def reserve(self, sizes: list[int]) -> None:
+        """Pin the slabs that buffers of `sizes` would take, and hand none out: a later `take` of those sizes fills
+        them exactly (the same largest-first placement), one of other sizes fills what room they have."""
+        with self.lock:
+            used = list(self.used)
+            self.place_all(sizes)
+            self.used = used + [0] * (len(self.slabs) - len(used))
+
+    def place_all(self, sizes: list[int]) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(sizes)
         left = sum(aligned(n) for n in sizes)
-        with self.lock:
-            for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-                if sizes[i] == 0:
-                    out[i] = torch.empty(0, dtype=torch.uint8)
-                    continue
-                slab, start = self.place(aligned(sizes[i]), left)
-                left -= aligned(sizes[i])
-                out[i] = self.slabs[slab][start : start + sizes[i]]
+        for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+            if sizes[i] == 0:
+                out[i] = torch.empty(0, dtype=torch.uint8)
+                continue
+            slab, start = self.place(aligned(sizes[i]), left)
+            left -= aligned(sizes[i])
+            out[i] = self.slabs[slab][start : start + sizes[i]]
         return out  # type: ignore[return-value]
 
     def place(self, n: int, left: int) -> tuple[int, int]:

@@ -81,3 +81,15 @@ def test_host_room_is_what_stays_below_rays_line(monkeypatch):
     monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=100 * gib, available=20 * gib))
     # Ray kills above 95 of 100 GiB used; 80 are used; 1 GiB stays for the other processes
     assert platform.host_room_bytes() == 14 * gib
+
+
+def test_reserved_slabs_take_the_buffers_they_were_pinned_for_and_no_more_slabs():
+    unit = 64 * KIB
+    sizes = [3 * unit // 2] * 6 + [3 * unit // 4] * 6 + [4] * 5  # expert-like tensors and fused Adam's steps
+    arena = PinnedArena(pin=False, slab_bytes=8 * unit)
+    arena.reserve(sizes)
+    reserved = [s.numel() for s in arena.slabs]
+    assert sum(reserved) >= sum(sizes) and arena.used == [0] * len(reserved)
+    bufs = arena.take([((n // 4,), torch.float32) if n > 4 else ((), torch.float32) for n in sizes])
+    assert [s.numel() for s in arena.slabs] == reserved  # the same placement fills them: no slab added
+    assert sum(b.numel() * b.element_size() for b in bufs) == sum(sizes)

@@ -250,10 +250,10 @@ class Trainer:
         return {
             "perf/optimizer_offload_time": seconds,
             "perf/trainer_resident_after_offload_gib": resident,
-            # host side: what the offload holds pinned, how many of its buffers the pre-pinning did not foresee
-            # (each pinned anew beside the unused forecast ones), and the trainer's whole resident memory
+            # host side: what the offload holds pinned, how much of it the pre-pinning's forecast missed, and the
+            # trainer's whole resident memory
             "perf/host_offload_gib": off.host_bytes() / 2**30,
-            "perf/offload_unforeseen_buffers": float(off.new_buffers),
+            "perf/offload_unforeseen_gib": off.unforeseen_bytes() / 2**30,
             "perf/trainer_host_rss_gib": rss_gib(),
         }
 
