@@ -54,7 +54,9 @@ def test_trainer_dp2_matches_dp1(dense_model_dir):
     two = spawn("train_rank", 2, str(dense_model_dir), TRAIN_OVERRIDES, 8, 3)
     assert one["error"] is None and two[0]["error"] is None, (one["error"], two[0]["error"])
     m1, m2 = one["metrics"], two[0]["metrics"]
-    assert abs(m1["train/loss"]) > 1e-4 and m1["train/grad_norm"] > 1e-4
+    # not zero: the policy-gradient term of group-normalised advantages at ratio 1 sums to ~0 by construction, so the
+    # loss is the KL term and the token weighting's imbalance, ~1e-4 for the builtin model (7.6e-5 for one build)
+    assert abs(m1["train/loss"]) > 1e-6 and m1["train/grad_norm"] > 1e-4
     # fp32 rounding differs with the micro-batch layout (~1e-7 here); the mean of the ranks' shares was m1 / 2
     assert m2["train/loss"] == pytest.approx(m1["train/loss"], abs=max(1e-6, 0.01 * abs(m1["train/loss"])))
     # the 2nd step starts from AdamW-updated weights (lr x sign(g) on step 1), which amplifies rounding to ~1e-4
@@ -87,7 +89,7 @@ def test_first_step_takes_old_logprobs_from_the_training_forward(dense_model_dir
     # 8 samples, every 3rd response empty: 5 live; the no-grad pass skips the empty ones
     assert (auto["old_logprob_samples"], fwd["old_logprob_samples"]) == (auto_passes, 5)
     a, f = auto["metrics"], fwd["metrics"]
-    assert abs(f["train/loss"]) > 1e-4 and f["train/train_rollout_logprob_abs_diff"] > 0.1
+    assert abs(f["train/loss"]) > 1e-6 and f["train/train_rollout_logprob_abs_diff"] > 0.1  # not zero: see above
     for key in ("train/loss", "train/grad_norm", "train/tis", "train/kl_loss", "train/train_rollout_logprob_abs_diff"):
         assert a[key] == pytest.approx(f[key], rel=1e-5, abs=1e-7), key
     assert auto["checksum_after"] == pytest.approx(fwd["checksum_after"], rel=1e-6)

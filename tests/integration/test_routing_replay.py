@@ -20,7 +20,10 @@ def replayed(moe_model_dir) -> dict:
 
 def test_replaying_the_trainers_own_routing_changes_nothing(replayed):
     assert replayed["routing_shape"][1:] == [2, 2]  # [tokens, MoE layers, top-k] of the tiny MoE
-    assert replayed["own_logp_diff"] == 0.0
+    # within fp32 rounding, not bit for bit: the last token is replayed with its neighbour's experts (vLLM returns no
+    # routing for it; its logits are never used), which can change an expert's token count and so the grouped GEMM's
+    # blocking for the others (2.4e-7 for one build of the builtin MoE); a changed routing moves them by > 1e-2
+    assert replayed["own_logp_diff"] < 1e-6
     assert sorted(replayed["own_metrics"]) == sorted(ROUTING_METRICS)  # the names dashboards read
     assert replayed["own_metrics"]["train/routing_agreement"] == 1.0
 
