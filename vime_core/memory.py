@@ -253,7 +253,7 @@ class HostOffload:
         for t in tensors:
             if isinstance(t, torch.nn.Parameter):
                 t.grad = None  # megatron's fp32 main grads: views of its buffer, set again by the next step
-        if self._prepin is not None:  # done long before on a GPU (a rollout's time); unused buffers stay in their slab
+        if self._prepin is not None:  # done long before on a GPU (a rollout's time)
             self._prepin.join()
             self._prepin = None
             if self._prepin_error is not None:

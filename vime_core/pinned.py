@@ -84,14 +84,9 @@ class PinnedArena:
 
     def take(self, specs: list[tuple[torch.Size | tuple, torch.dtype]]) -> list[torch.Tensor]:
         """One new buffer per (shape, dtype) of `specs`, in their order; placed largest first."""
-        raws = self.take_raw([buffer_bytes(shape, dtype) for shape, dtype in specs])
-        return [typed(raw, shape, dtype) for raw, (shape, dtype) in zip(raws, specs)]
-
-    def take_raw(self, sizes: list[int]) -> list[torch.Tensor]:
-        """One new uint8 buffer of each of `sizes` bytes, in their order; placed largest first (`typed` views one
-        as a tensor of any shape and dtype of that many bytes)."""
         with self.lock:
-            return self.place_all(sizes)
+            raws = self.place_all([buffer_bytes(shape, dtype) for shape, dtype in specs])
+        return [typed(raw, shape, dtype) for raw, (shape, dtype) in zip(raws, specs)]
 
     def reserve(self, sizes: list[int]) -> None:
         """Pin the slabs that buffers of `sizes` would take, and hand none out: a later `take` of those sizes fills
@@ -102,6 +97,7 @@ class PinnedArena:
             self.used = used + [0] * (len(self.slabs) - len(used))
 
     def place_all(self, sizes: list[int]) -> list[torch.Tensor]:
+        """A uint8 buffer of each of `sizes` bytes, in their order, placed largest first; the caller holds the lock."""
         out: list[torch.Tensor | None] = [None] * len(sizes)
         left = sum(aligned(n) for n in sizes)
         for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):

@@ -209,14 +209,16 @@ class MlflowRun:
             run = self.client.get_run(run_id)
             if run.info.lifecycle_stage != "active":
                 raise TrackingError(f"MLflow run {run_id} was deleted; cannot continue it")
+            self.paused_ms = int(run.data.tags.get(PAUSED_TAG, 0))
             if run.info.status != "RUNNING" and run.info.end_time:
-                paused = int(run.data.tags.get(PAUSED_TAG, 0)) + max(0, now_ms() - run.info.end_time)
-                self.client.set_tag(run_id, PAUSED_TAG, str(paused))
+                self.paused_ms += max(0, now_ms() - run.info.end_time)
+                self.client.set_tag(run_id, PAUSED_TAG, str(self.paused_ms))
             self.client.update_run(run_id, status="RUNNING")
             self.run_id = run_id
             # read on the first log_metrics: most continued runs only set tags or end the run
             self.logged_through: dict[str, int] | None = None
         else:
+            self.paused_ms = 0
             self.logged_through = {}
             exp = self.client.get_experiment_by_name(experiment)
             if exp is None:
@@ -302,10 +304,9 @@ class MlflowRun:
     def end(self, status: str = "FINISHED") -> None:
         """End the run with `status`; its end_time leaves out the pauses between attempts (see the class doc)."""
         end = now_ms()
-        paused = int(self.client.get_run(self.run_id).data.tags.get(PAUSED_TAG, 0))
-        if paused:
+        if self.paused_ms:
             self.client.set_tag(self.run_id, ENDED_AT_TAG, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(end / 1000)))
-        self.client.set_terminated(self.run_id, status=status, end_time=end - paused)
+        self.client.set_terminated(self.run_id, status=status, end_time=end - self.paused_ms)
 
     def end_with_error(self, e: BaseException) -> None:
         """End the run FAILED (KILLED for Ctrl-C / SIGTERM) with the error's one line in the tag ERROR_TAG, so that a
