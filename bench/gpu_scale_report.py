@@ -77,6 +77,7 @@ DONE_WHEN_8B = (  # Qwen3-8B on one GPU against vime's run on two MI355X (~4,100
     ("trainer_tok_s >= 1.0 x hf_sdpa_tok_s", "trainer_tok_s", ">=", "hf_sdpa_tok_s", 1.0),
     ("host_peak_gib < 110", "host_peak_gib", "<=", None, 110.0),
     ("sync_s <= 1.5", "sync_s", "<=", None, 1.5),
+    ("loop_steps_run >= 3", "loop_steps_run", ">=", None, 3.0),  # a phase cut by its watchdog ran fewer
 )
 
 
@@ -273,6 +274,9 @@ def summarize(doc: dict) -> dict:
         "hf_detached_tok_s": median_after_first(matched_steps(trainer, col("hf_detached", "tok_s"))[1]),
     }
     s["kv_cache_tokens"] = kv_cache_tokens(doc)
+    # the steps the loop finished (a watchdog or a crash can cut it short of the header's `steps`), and why it stopped
+    s["loop_steps_run"] = len(ph["loop"].get("steps", [])) if "loop" in ph else None
+    s["loop_error"] = ph.get("loop", {}).get("error")
     peak = trainer_peak(ph.get("loop", {}))
     if peak:
         s["trainer_peak_gib"], s["trainer_peak_source"] = peak
@@ -384,6 +388,8 @@ SUMMARY_KEYS = {
     "hf_detached_tok_s",
     "trainer_peak_source",
     "kv_cache_tokens",
+    "loop_steps_run",
+    "loop_error",
     "ratios",
     "done_when",
     "sequential_mlp_tok_s",

@@ -336,7 +336,12 @@ def test_8b_rows_are_checked_against_vime_and_the_host_budget(rp):
         "trainer_tok_s >= 1.0 x hf_sdpa_tok_s": None,  # the HF baseline did not run (or did not fit)
         "host_peak_gib < 110": True,
         "sync_s <= 1.5": True,
+        "loop_steps_run >= 3": True,
     }
+    doc["phases"]["loop"].update(steps=loop[:2], error="phase loop hit the watchdog after 600 s")
+    s = rp.summarize(doc)
+    assert s["loop_steps_run"] == 2 and "watchdog" in s["loop_error"]
+    assert s["done_when"]["loop_steps_run >= 3"] is False
 
 
 def test_the_8b_bench_runs_the_shipped_config_under_the_bench_shape(gs, gc, tmp_path):
