@@ -16,7 +16,7 @@ The rule, per device:
   vLLM generates (its weights, plus its optimizer state unless train.offload_optimizer moves it to the host);
 - the host holds the offloaded optimizer state of every trainer rank on the node, at sleep level 1 each engine's
   weights, and while a checkpoint is saved a copy of every rank's weights (megatron's torch_dist writer stages them
-  in pinned host memory before it writes, each tensor rounded up to a power of two: `staging_bytes`);
+  in host memory before it writes, pageable and exact-sized: `checkpoint.torch_dist.pageable_staging`);
   HOST_RESERVE_GIB stays for the processes themselves (vLLM, Ray, Python, CUDA), and the whole must stay under Ray's
   memory monitor, which kills the largest worker above RAY_MEMORY_THRESHOLD of the host (Qwen3-8B on one H200 at 75%
   offload: the trainer was killed at 114 GB while saving).
@@ -89,15 +89,11 @@ def trainer_static(cfg: RunConfig, params: int, platform: str, experts: int = 0)
     }
 
 
-def staging_bytes(numels: list[int], dtype: str, platform: str) -> float:
+def staging_bytes(numels: list[int], dtype: str) -> float:
     """Host bytes of a checkpoint save's copy of one rank's weight tensors (`numels`, ModelSpec.
-    tensor_numels_per_device). On a GPU megatron's torch_dist writer copies each to pinned memory, which torch's
-    pinned allocator rounds up to a power of two (1.5 GiB pinned 2.09 GiB on the H200 machine, vime_core/pinned.py):
-    Qwen3-8B's 15.3 GiB of bf16 weights stage in 20.9 GiB."""
-    w = DTYPE_BYTES[dtype]
-    if platform == "cpu":
-        return float(w * sum(numels))
-    return float(sum(1 << (w * n - 1).bit_length() for n in numels if n))  # torch-free: prepare imports this module
+    tensor_numels_per_device): exact, since the save stages them in pageable memory (pinned, torch would round each
+    up to a power of two: 15.3 GiB of Qwen3-8B's bf16 weights in ~21.5 GiB)."""
+    return float(DTYPE_BYTES[dtype] * sum(numels))
 
 
 def activation_floor(cfg: RunConfig, arch: Any) -> float:
@@ -139,7 +135,7 @@ def memory_plan(cfg: RunConfig, arch: Any, device_bytes: float, platform: str) -
     engine_weights = 0.0
     if sleeping and c.engine_sleep_level == 1:
         engine_weights = DTYPE_BYTES[cfg.model.engine_dtype] * params * t.model_parallel_size * cfg.rollout.num_engines
-    staging = ranks * staging_bytes(spec.tensor_numels_per_device(arch, layout), cfg.model.dtype, platform)
+    staging = ranks * staging_bytes(spec.tensor_numels_per_device(arch, layout), cfg.model.dtype)
     host = ranks * (static["optimizer_host"] + moved) + engine_weights + staging
     parts = {
         **static,
