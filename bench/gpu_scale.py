@@ -285,11 +285,12 @@ def print_summary(doc: dict) -> None:
         f"logprob diff {'-' if doc['logprob_abs_diff'] is None else '%.1e' % doc['logprob_abs_diff']}",
         flush=True,
     )
+    stopped = f" ({doc['loop_error']})" if doc.get("loop_error") else ""
     print(
         f"[gpu_scale] step parts: rollout {f(doc['rollout_s'], 1)}s, train {f(doc['train_s'], 1)}s (optimizer step "
         f"{f(doc['optimizer_step_s'], 2)}s), offload {f(doc['offload_s'], 2)}s, onload {f(doc['onload_s'], 2)}s, sync "
         f"{f(doc['sync_s'], 2)}s | host peak {f(doc['host_peak_gib'], 1)} GiB | loop steps run "
-        f"{f(doc.get('loop_steps_run'))} of {doc['steps']}{' (' + doc['loop_error'] + ')' if doc.get('loop_error') else ''}",
+        f"{f(doc.get('loop_steps_run'))} of {doc['steps']}{stopped}",
         flush=True,
     )
     if "sequential_mlp_tok_s" in doc:

@@ -129,6 +129,8 @@ def test_moe_checkpoint_staging_counts_every_expert_tensor():
 
     arch = arch_from_hf_config(hf_config("30b-a3b-10l"))  # Qwen3-30B-A3B's first 10 layers, all 128 experts
     numels = spec_of(arch).tensor_numels_per_device(arch, Layout())
+    # per layer: 128 experts' fc1 (2 x 768 rows) and fc2 over hidden 2,048; qkv (32 + 2 x 4 heads of 128) and proj;
+    # the router (128 x 2,048); q/k norms (128 each); two layer norms; then embedding, output layer, final norm
     per_layer = 128 * 3 * 2048 * 768 + (32 + 2 * 4) * 128 * 2048 + 32 * 128 * 2048 + 128 * 2048 + 2 * 128 + 2 * 2048
     assert sum(numels) == 10 * per_layer + 2 * 151936 * 2048 + 2048
     assert staging_bytes(numels, "bfloat16") == 2 * sum(numels)
