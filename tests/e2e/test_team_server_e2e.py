@@ -1,10 +1,10 @@
 """A night on a team's MLflow tracking server, and a teammate who loads its champion on another machine.
 
-A real `mlflow server --artifacts-destination <folder>` on 127.0.0.1. The worker runs `vime-pipeline` from its own
-directory; every artifact must reach the server's folder (nothing beside the worker's run). The "teammate" is another
-working directory with an empty vime cache and only the server's URI: it loads `models:/<name>@champion` with
+A real `mlflow server --artifacts-destination <folder>` on 127.0.0.1, down for 60 s when the night starts and 60 s
+during its training (a team's server restart): the night completes anyway. The worker runs the nightly pipeline from
+its own directory; every artifact must reach the server's folder (nothing beside the worker's run). The "teammate" is
+another working directory with an empty vime cache and only the server's URI: it loads `models:/<name>@champion` with
 `mlflow.pyfunc.load_model` (the version's signature says what to send) and evaluates it with `flows.evaluate`.
-Last, a night whose server is down for 60 s when it starts and 60 s during its training completes anyway.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from subprocess import STDOUT
 
 import pytest
 
@@ -36,29 +37,59 @@ def run(args: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def night(tmp_path_factory):
-    """The server, and one pipeline run (a night) of the worker against it."""
+    """The server, and one nightly run (a night) of the worker against it, through two 60 s outages: the server is
+    down when the night starts (its champion lookup retries) and again once training has started (the train task
+    keeps the rows the server did not take and sends them when it is back). One night serves every test here: a
+    second, outage-free night would only repeat the ~100 s of a pipeline run."""
     tmp = tmp_path_factory.mktemp("team")
     root, port = tmp / "server", free_port()
     root.mkdir()
-    server = start_server(root, port)
     uri = f"http://127.0.0.1:{port}"
+    stop_server(start_server(root, port))  # an empty store, then down at 02:00
     worker = tmp / "worker"
     worker.mkdir()
-    env = {**os.environ, "VIME_DEBUG": "", "PREFECT_HOME": str(tmp / "prefect")}
+    out = worker / "runs" / "tiny-cpu"
+    sets = [f"output_dir={out}", f"tracking.uri={uri}", "rollout.num_rollout=8", f"eval.datasets={EVAL}"]
+    sets += ["eval.before_train=false", "tracking.outage_s=300"]
+    code = (
+        "from flows.grpo_pipeline import grpo_pipeline\n"
+        f"summary = grpo_pipeline({str(REPO / 'configs/tiny-cpu.yaml')!r}, {sets!r}, nightly=True, promote=True)\n"
+        "print('REGISTERED', summary.get('registered'), flush=True)\n"
+    )
+    log = tmp / "night.log"
+    env = {**os.environ, "VIME_DEBUG": "", "PREFECT_HOME": str(tmp / "prefect"), "PYTHONPATH": str(REPO)}
     env.pop("MLFLOW_TRACKING_URI", None)
-    # one step and no baseline evaluation: what is under test is where the night's artifacts go, not training
-    sets = [f"output_dir={worker / 'runs' / 'tiny-cpu'}", f"tracking.uri={uri}", "rollout.num_rollout=1"]
-    sets += [f"eval.datasets={EVAL}", "eval.before_train=false"]
+    # the worker's own directory: nothing of the night may be written beside it (test_every_artifact_...)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=worker, env=env, stdout=open(log, "w"), stderr=STDOUT)
+    server = None
     try:
-        run(
-            [str(BIN / "vime-pipeline"), "-c", str(REPO / "configs/tiny-cpu.yaml")]
-            + [a for s in sets for a in ("--set", s)],
-            worker,
-            env,
-        )
-        yield {"uri": uri, "root": root, "worker": worker, "tmp": tmp}
+        wait_for(lambda: "Retry 1/" in log.read_text(), proc, log)  # the champion lookup's first failed attempt
+        time.sleep(60)
+        server = start_server(root, port)
+        wait_for(lambda: any(p.stat().st_size for p in out.glob("nightly/*/metrics.jsonl")), proc, log)
+        stop_server(server)  # training has started: its rows are kept meanwhile
+        time.sleep(60)
+        server = start_server(root, port)
+        assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
+        yield {"uri": uri, "root": root, "worker": worker, "tmp": tmp, "log": log.read_text()}
     finally:
-        stop_server(server)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if server is not None:
+            stop_server(server)
+
+
+def test_a_night_completes_through_two_60_s_outages(night):
+    """The night registered, its train task kept rows during the second outage, and its MLflow run has every step."""
+    from mlflow.tracking import MlflowClient
+
+    assert f"REGISTERED {MODEL} v1" in night["log"], night["log"][-3000:]
+    assert "metric row(s) kept to send when it answers" in night["log"], "the second outage fell inside the train task"
+    client = MlflowClient(night["uri"], night["uri"])
+    run = client.get_run(client.get_model_version_by_alias(MODEL, "champion").run_id)  # the night's own run
+    assert run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "rollout/raw_reward")) == list(range(8))
 
 
 def test_every_artifact_of_the_night_is_in_the_servers_store(night):
@@ -119,62 +150,6 @@ def test_a_teammate_evaluates_the_champion_from_the_server(night):
     (downloaded,) = [p for p in (teammate / "cache" / "mlflow-models").glob(f"{MODEL}-v*") if p.suffix != ".dl"]
     champion = MlflowClient(night["uri"], night["uri"]).get_model_version_by_alias(MODEL, "champion")
     assert weights_digest(downloaded) == champion.tags[WEIGHTS_TAG], "the teammate scored the registered weights"
-
-
-def test_a_night_completes_through_two_60_s_outages(tmp_path):
-    """The team's server is down for 60 s when the night starts (its champion lookup retries) and again for 60 s
-    once training has started (the train task keeps the rows the server did not take and sends them when it is
-    back): the night completes, registers, and its MLflow run has every step."""
-    from mlflow.tracking import MlflowClient
-
-    root, port = tmp_path / "server", free_port()
-    root.mkdir()
-    uri = f"http://127.0.0.1:{port}"
-    stop_server(start_server(root, port))  # an empty store, then down at 02:00
-    out = tmp_path / "runs" / "tiny-cpu"
-    sets = [f"output_dir={out}", f"tracking.uri={uri}", "rollout.num_rollout=8", f"eval.datasets={EVAL}"]
-    sets += ["eval.before_train=false", "tracking.outage_s=300"]
-    code = (
-        "from flows.grpo_pipeline import grpo_pipeline\n"
-        f"summary = grpo_pipeline({str(REPO / 'configs/tiny-cpu.yaml')!r}, {sets!r}, nightly=True, promote=True)\n"
-        "print('REGISTERED', summary.get('registered'), flush=True)\n"
-    )
-    log = tmp_path / "night.log"
-    env = {**os.environ, "VIME_DEBUG": "", "PREFECT_HOME": str(tmp_path / "prefect")}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    night = subprocess.Popen(
-        [sys.executable, "-c", code], cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT
-    )
-    server = None
-    try:
-        wait_for(lambda: "Retry 1/" in log.read_text(), night, log)  # the champion lookup's first failed attempt
-        time.sleep(60)
-        server = start_server(root, port)
-        wait_for(lambda: any(p.stat().st_size for p in out.glob("nightly/*/metrics.jsonl")), night, log)
-        stop_server(server)  # training has started: its rows are kept meanwhile
-        time.sleep(60)
-        server = start_server(root, port)
-        assert night.wait(timeout=900) == 0, log.read_text()[-3000:]
-    finally:
-        if night.poll() is None:
-            night.kill()
-            night.wait()
-        if server is not None:
-            stop_server(server)
-    text = log.read_text()
-    assert f"REGISTERED {MODEL} v1" in text, text[-3000:]
-    assert "metric row(s) kept to send when it answers" in text, "the second outage fell inside the train task"
-    server = start_server(root, port)
-    try:
-        client = MlflowClient(uri, uri)
-        runs = client.search_runs([client.get_experiment_by_name("tiny-cpu").experiment_id])
-        (run,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]  # the night's run, not its evals
-        assert run.info.status == "FINISHED"
-        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "rollout/raw_reward")) == list(
-            range(8)
-        )
-    finally:
-        stop_server(server)
 
 
 def wait_for(condition, proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
