@@ -63,12 +63,11 @@ def moe_options(arch: Qwen3Arch, ep: int, grouped_gemm: bool = False) -> dict:
         moe_router_pre_softmax=not arch.norm_topk_prob,
         moe_router_score_function="softmax",
         moe_grouped_gemm=grouped_gemm,
-        # KNOWN LIMITATION (EP > 1 training, e.g. configs/qwen3-30b-a3b.yaml's EP=8): the allgather dispatcher
-        # all-gathers every layer's tokens over the TP x EP group with equal sizes (no output_split_sizes), so all
-        # EP ranks must run the same number of micro-batches of the same token count, in lockstep. Token-budget
-        # packing (train.pack_micro_batches) gives each DP rank its own counts and sizes: a mismatch fails the
-        # all-gather or hangs it. Needs padding micro-batches to a common count/size across the EP group (or the
-        # alltoall dispatcher with its split sizes); EP = 1 is unaffected.
+        # EP > 1 training is refused by the config check (models/qwen3.layout_problems): this dispatcher all-gathers
+        # every layer's tokens over the TP x EP group in equal-sized pieces (no output_split_sizes), so all EP ranks
+        # would have to run the same number of micro-batches of the same token count, in lockstep, and token-budget
+        # packing gives each DP rank its own. Lifting it needs micro-batches padded to a common count and size across
+        # the EP group (or the alltoall dispatcher, which also needs CUDA streams). EP = 1 is unaffected.
         moe_token_dispatcher_type="allgather",
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,

@@ -90,9 +90,9 @@ def check_before_start(cfg: RunConfig, metrics_out: Path | None = None) -> None:
     """What the command line, the config and a local model's files alone decide, without torch (milliseconds; a
     tracking server gets 1 s to accept a connection), before `vime train` takes the output_dir lock, opens its MLflow
     run or starts Ray: a writable output dir, a --metrics-out that can be a file, the reward and generate hooks
-    import, the model's JSON files, weights headers and vocab_size, the context length, the tracking server. Each
-    of them failed only after the actors started (12-40 s in); `preflight` checks them again (and more) for the
-    pipeline and the evaluation."""
+    import, the model's JSON files, weights headers and vocab_size, the context length, the parallel layout against
+    the model, the tracking server. Each of them failed only after the actors started (12-40 s in; the layout after
+    the MLflow run opened, ~12 s); `preflight` checks them again (and more) for the pipeline and the evaluation."""
     from vime_core.integrity import check_writable
     from vime_core.generate_hook import load_custom_generate
 
@@ -105,7 +105,9 @@ def check_before_start(cfg: RunConfig, metrics_out: Path | None = None) -> None:
         load_custom_generate(cfg.rollout.custom_generate)
     model_dir = local_model_dir(cfg.model.source)
     if model_dir is not None:
-        check_context_length(cfg, check_light(model_dir), model_dir)
+        hf_config = check_light(model_dir)
+        check_context_length(cfg, hf_config, model_dir)
+        check_model_compat(cfg, arch_from_hf_config(hf_config, where=model_dir))  # the parallel layout against it
     if cfg.tracking.enabled:
         check_tracking_socket(resolve_tracking_uri(cfg))
 

@@ -1,7 +1,8 @@
 """Inputs that the command line, the config and the model's files alone decide fail `vime train` with one line naming
 the field or file and the fix, exit 2, before the output_dir lock, MLflow or Ray (each used to fail after the actors
 started, 12-40 s in, most with a traceback): the reward and generate hooks, the tokenizer's JSON, vocab_size against
-the weights, the context length, vLLM argument values, --metrics-out, a read-only output dir, the tracking server.
+the weights, the context length, the parallel layout against the model, vLLM argument values, --metrics-out, a
+read-only output dir, the tracking server.
 `prepare` refusing the same problems in-process: tests/unit/test_faults_early_inputs.py."""
 
 from __future__ import annotations
@@ -73,6 +74,17 @@ CASES = {
     "vllm max_num_seqs": (
         ["rollout.vllm_kwargs.max_num_seqs=0"],
         ["rollout.vllm_kwargs.max_num_seqs = 0: vLLM needs an integer >= 1"],
+    ),
+    "expert parallel training": (
+        [
+            "model.source=builtin://tiny-qwen3moe-arith",
+            *("train.num_devices=2", "train.expert_parallel_size=2", "rollout.num_engines=2"),
+        ],
+        [
+            "ConfigError: config does not fit the model: train.expert_parallel_size = 2: the trainer does not run "
+            "expert parallelism yet",
+            "set train.expert_parallel_size = 1",
+        ],
     ),
     "unknown builtin model": (["model.source=builtin://nope"], ["SourceError: unknown builtin model 'nope'"]),
     "tracking server down": (

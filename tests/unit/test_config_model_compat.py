@@ -82,8 +82,19 @@ def test_model_compat_expert_parallel_not_dividing_experts(arch):
     cfg = load_config(None, ["train.num_devices=4", "train.expert_parallel_size=4"])
     with pytest.raises(ConfigError, match=r"train.expert_parallel_size = 4 does not divide the model's 6 experts"):
         check_model_compat(cfg, moe)
-    # EP 2 divides 6 experts
-    check_model_compat(load_config(None, ["train.num_devices=4", "train.expert_parallel_size=2"]), moe)
+
+
+def test_expert_parallel_training_is_refused_and_conversion_is_not():
+    """The trainer's token dispatch needs equal micro-batches on every EP rank, which packing does not give: a
+    training run at EP > 1 is refused before any actor starts; a conversion at EP 2 (6 experts) still fits."""
+    from vime_core.models import Layout, layout_problems
+
+    moe = moe_arch(6)
+    cfg = load_config(None, ["train.num_devices=4", "train.expert_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"train.expert_parallel_size = 2: the trainer does not run expert "):
+        check_model_compat(cfg, moe)
+    assert layout_problems(moe, Layout(ep=2)) == []
+    check_model_compat(load_config(None, ["train.num_devices=4"]), moe)  # EP 1: every rank holds the 6 experts
 
 
 @pytest.mark.parametrize(
@@ -170,8 +181,6 @@ def test_model_compat_moe_under_tensor_parallel(arch):
     """megatron-core raises mid-training for MoE + TP without sequence parallel; we say so before any actor starts."""
     moe = moe_arch(4)
     cfg = load_config(None, ["train.num_devices=2", "train.tensor_parallel_size=2"])
-    with pytest.raises(
-        ConfigError, match=r"train.tensor_parallel_size = 2 with a MoE model.*train.expert_parallel_size"
-    ):
+    with pytest.raises(ConfigError, match=r"train.tensor_parallel_size = 2 with a MoE model.*; set "):
         check_model_compat(cfg, moe)
     check_model_compat(cfg, arch)  # the dense model is fine at TP 2
