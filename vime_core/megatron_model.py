@@ -63,11 +63,9 @@ def moe_options(arch: Qwen3Arch, ep: int, grouped_gemm: bool = False) -> dict:
         moe_router_pre_softmax=not arch.norm_topk_prob,
         moe_router_score_function="softmax",
         moe_grouped_gemm=grouped_gemm,
-        # EP > 1 training is refused by the config check (models/qwen3.layout_problems): this dispatcher all-gathers
-        # every layer's tokens over the TP x EP group in equal-sized pieces (no output_split_sizes), so all EP ranks
-        # would have to run the same number of micro-batches of the same token count, in lockstep, and token-budget
-        # packing gives each DP rank its own. Lifting it needs micro-batches padded to a common count and size across
-        # the EP group (or the alltoall dispatcher, which also needs CUDA streams). EP = 1 is unaffected.
+        # all-gathers every layer's tokens over the TP x EP group in equal pieces (no split sizes): the trainer pads
+        # each EP rank's micro-batches to a common count and sizes (trainer.batching.lockstep_pads). alltoall, which
+        # takes split sizes, builds a torch.cuda.Stream in its constructor, so it cannot run on CPU.
         moe_token_dispatcher_type="allgather",
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,

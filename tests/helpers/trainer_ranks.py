@@ -290,3 +290,35 @@ def optimizer_resume(
     out["grad_norms"], out["step"] = norms, trainer.state.step
     trainer.shutdown()
     return out
+
+
+def expert_parallel_run(rank: int, world: int, port: int, model_dir: str, overrides: list[str], rollouts: int) -> dict:
+    """The real Trainer of the tiny MoE at `overrides` (tests/integration/test_expert_parallel.py): `rollouts` rollout
+    steps on synthetic samples of uneven lengths; returns each step's train/* metrics, the full weights after them
+    (every expert, gathered over EP ranks, by name) and the padding tokens this rank's lockstep micro-batches took."""
+    from vime_core.config import load_config
+    from vime_core.megatron_model import iter_full_weights
+    from vime_core.trainer import Trainer, split_steps_and_ranks
+
+    cfg = load_config(REPO_CONFIG, [f"train.num_devices={world}", "train.cpu_threads=1", *overrides])
+    trainer = Trainer(cfg, model_dir, rank, world, "127.0.0.1", port, "cpu")
+    pads: list[int] = []
+    packing = trainer.steps.packing
+
+    def counted(lengths):
+        out = packing(lengths)
+        pads.extend(p for _, p in out)
+        return out
+
+    trainer.steps.packing = counted
+    metrics = []
+    for r in range(rollouts):
+        samples = synthetic_samples(32, trainer.state.arch.vocab_size, seed=r, empty_every=7)
+        steps = split_steps_and_ranks(samples, cfg.num_steps_per_rollout, cfg.train.data_parallel_size)[rank]
+        metrics.append({k: v for k, v in trainer.train(r, steps).items() if k.startswith("train/")})
+    weights = {
+        name: t.detach().double().flatten().tolist()
+        for name, t in iter_full_weights(trainer.state.module, trainer.state.arch)
+    }
+    trainer.shutdown()
+    return {"metrics": metrics, "weights": weights, "pad_tokens": sum(pads), "micro_batches": len(pads)}

@@ -75,16 +75,9 @@ CASES = {
         ["rollout.vllm_kwargs.max_num_seqs=0"],
         ["rollout.vllm_kwargs.max_num_seqs = 0: vLLM needs an integer >= 1"],
     ),
-    "expert parallel training": (
-        [
-            "model.source=builtin://tiny-qwen3moe-arith",
-            *("train.num_devices=2", "train.expert_parallel_size=2", "rollout.num_engines=2"),
-        ],
-        [
-            "ConfigError: config does not fit the model: train.expert_parallel_size = 2: the trainer does not run "
-            "expert parallelism yet",
-            "set train.expert_parallel_size = 1",
-        ],
+    "trainer layout": (
+        ["train.num_devices=3", "train.tensor_parallel_size=3", "rollout.num_engines=3"],
+        ["ConfigError: config does not fit the model: train.tensor_parallel_size = 3 does not divide the model's 4"],
     ),
     "unknown builtin model": (["model.source=builtin://nope"], ["SourceError: unknown builtin model 'nope'"]),
     "tracking server down": (

@@ -84,17 +84,18 @@ def test_model_compat_expert_parallel_not_dividing_experts(arch):
         check_model_compat(cfg, moe)
 
 
-def test_expert_parallel_training_is_refused_and_conversion_is_not():
-    """The trainer's token dispatch needs equal micro-batches on every EP rank, which packing does not give: a
-    training run at EP > 1 is refused before any actor starts; a conversion at EP 2 (6 experts) still fits."""
-    from vime_core.models import Layout, layout_problems
-
+def test_expert_parallel_training_fits_and_routing_replay_beside_it_is_refused():
+    """EP 2 over 6 experts trains (the trainer pads the EP ranks' micro-batches to lockstep); R3 cannot replay the
+    padding's routing, so the two together are refused naming both fields."""
     moe = moe_arch(6)
-    cfg = load_config(None, ["train.num_devices=4", "train.expert_parallel_size=2"])
-    with pytest.raises(ConfigError, match=r"train.expert_parallel_size = 2: the trainer does not run expert "):
+    check_model_compat(load_config(None, ["train.num_devices=4", "train.expert_parallel_size=2"]), moe)
+    cfg = load_config(
+        None,
+        ["train.num_devices=4", "train.expert_parallel_size=2", "rollout.routing_replay=true", "cluster.platform=cuda"],
+    )
+    with pytest.raises(ConfigError, match=r"rollout.routing_replay = true with train.expert_parallel_size > 1"):
         check_model_compat(cfg, moe)
-    assert layout_problems(moe, Layout(ep=2)) == []
-    check_model_compat(load_config(None, ["train.num_devices=4"]), moe)  # EP 1: every rank holds the 6 experts
+    check_model_compat(load_config(None, ["train.num_devices=4", "rollout.routing_replay=true"]), moe)  # EP 1
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from vime_core.attention import VIEW_MIN_TOKENS, group_lengths, varlen_attention, varlen_layout
 from vime_core.trainer import pack_micro_batches
+from vime_core.trainer.batching import lockstep_pads, pad_samples
 
 
 @pytest.mark.parametrize(
@@ -103,3 +104,23 @@ def test_layout_attends_long_and_equal_samples_on_views(lens, view_min_tokens, v
         g.rows for g in layout.groups if g.dst is not None
     ) == len(lens)
     assert layout.positions.tolist() == [i for n in lens for i in range(n)]
+
+
+def test_lockstep_pads_fill_each_place_up_to_the_longest_and_add_the_missing_ones():
+    # this rank packed 3 micro-batches of 20, 9 and 4 tokens; the EP ranks' longest at each of 4 places: 20, 12, 4, 7
+    assert lockstep_pads([20, 9, 4], [20, 12, 4, 7]) == [0, 3, 0, 7]
+    assert lockstep_pads([5], [5]) == [0]
+    with pytest.raises(ValueError, match="below this rank's micro-batch sizes"):
+        lockstep_pads([20, 9], [20])  # fewer places than this rank packs: not a max over the ranks
+
+
+def test_a_pad_sample_is_prompt_only_and_none_for_no_tokens():
+    (pad,) = pad_samples(3)
+    assert (pad.tokens, pad.prompt_len, pad.response_len, pad.loss_mask, pad.rollout_logprobs) == (
+        [0] * 3,
+        3,
+        0,
+        [],
+        [],
+    )
+    assert pad_samples(0) == []

@@ -168,15 +168,6 @@ def layout_problems(arch: Qwen3Arch, layout: Layout) -> list[str]:
             f"{n['tp']} = {tp} with a MoE model: megatron-core trains MoE layers under TP only with "
             f"sequence parallel, which is not supported yet; set {n['tp']} = 1"
         )
-    if layout.trains and arch.is_moe and ep > 1:
-        # megatron's allgather dispatcher gathers each MoE layer's tokens in equal-sized pieces, so every expert-
-        # parallel rank would have to run the same number of micro-batches of the same token count; token-budget
-        # packing gives each rank its own. Unequal pieces fail gloo's collective or corrupt NCCL's: refuse up front.
-        problems.append(
-            f"{n['ep']} = {ep}: the trainer does not run expert parallelism yet (its token dispatch needs the same "
-            f"micro-batch counts and sizes on every expert-parallel rank, which packing by token budget does not "
-            f"give); set {n['ep']} = 1, every rank holding all {arch.num_experts} experts"
-        )
     if ep > 1:
         if not arch.is_moe:
             problems.append(f"{n['ep']} = {ep} but the model ({kind}) has no experts; set {n['ep']} = 1")

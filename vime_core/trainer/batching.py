@@ -69,6 +69,26 @@ def pack_micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
+def lockstep_pads(sizes: list[int], targets: list[int]) -> list[int]:
+    """Tokens of padding each of a rank's micro-batches needs so that every expert-parallel rank runs `targets`
+    (the element-wise max over the ranks of their micro-batch sizes, as many as the most any rank packs): megatron's
+    allgather token dispatcher gathers each MoE layer's tokens in equal pieces, in lockstep."""
+    if len(targets) < len(sizes) or any(t < n for t, n in zip(targets, sizes)):
+        raise ValueError(f"lockstep targets {targets} below this rank's micro-batch sizes {sizes}")
+    return [t - (sizes[j] if j < len(sizes) else 0) for j, t in enumerate(targets)]
+
+
+def pad_samples(tokens: int) -> list[TrainSample]:
+    """A sample of `tokens` prompt tokens and no response (nothing trained, no log-prob gathered): the padding of a
+    lockstep micro-batch (none for 0). Packed attention restarts per sample and nothing drops routed tokens, so it
+    changes no other sample's values."""
+    return (
+        [TrainSample(tokens=[0] * tokens, prompt_len=tokens, loss_mask=[], rollout_logprobs=[], advantage=0.0)]
+        if (tokens)
+        else []
+    )
+
+
 def make_train_batch(groups: list, cfg: RunConfig) -> tuple[list[TrainSample], dict[str, float]]:
     """Scored groups -> trainer samples with GRPO advantages (group-normalised rewards broadcast to every token)."""
     n = cfg.rollout.n_samples_per_prompt

@@ -28,7 +28,7 @@ from vime_core.loss import (
 )
 from vime_core.memory import to_device, train_step_memory
 from vime_core.metrics import ROUTING_METRICS
-from vime_core.trainer.batching import TrainSample, pack_micro_batches
+from vime_core.trainer.batching import TrainSample, lockstep_pads, pack_micro_batches, pad_samples
 from vime_core.trainer.state import RankState
 
 
@@ -71,6 +71,9 @@ class StepRunner:
             cols += range(start + s.prompt_len - 1, start + s.prompt_len - 1 + r)
             sample_ids += [i] * r
             start += len(s.tokens)
+        if not cols:  # padding alone (lockstep_pads): no log-prob, but a graph through every layer for backward
+            nothing = (hidden.sum() * 0.0).expand(0)
+            return nothing, nothing if with_entropy else None, to_device([], torch.long, self.st.device)
         cols_t = to_device(cols, torch.long, self.st.device)
         picked = hidden.squeeze(1).index_select(0, cols_t)
         # logits / temperature, softmax over the tokens top-k / top-p kept: vLLM's processed log-probs
@@ -123,8 +126,8 @@ class StepRunner:
     def logprobs(self, model, samples: list[TrainSample]) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(samples)
         with self.st.peaks.phase("logprobs"):
-            for mb in pack_micro_batches([len(s.tokens) for s in samples], self.st.cfg.train.max_tokens_per_device):
-                logp, _, sid = self.forward(model, [samples[i] for i in mb], with_entropy=False)
+            for mb, pad in self.packing([len(s.tokens) for s in samples]):
+                logp, _, sid = self.forward(model, [samples[i] for i in mb] + pad_samples(pad), with_entropy=False)
                 for j, i in enumerate(mb):
                     out[i] = logp[sid == j].cpu()
                 self.st.heartbeat.beat("a no-grad forward")
@@ -200,9 +203,9 @@ class StepRunner:
 
         # a sample without response tokens adds nothing to the loss (it still counts in sample_mean's denominator)
         live = [i for i, s in enumerate(samples) if s.response_len > 0]
-        for mb in pack_micro_batches([len(samples[i].tokens) for i in live], self.st.cfg.train.max_tokens_per_device):
+        for mb, pad in self.packing([len(samples[i].tokens) for i in live]):
             idx = [live[j] for j in mb]
-            loss, part, diff = self._micro_batch([samples[i] for i in idx], idx, old, ref, denom)
+            loss, part, diff = self._micro_batch([samples[i] for i in idx] + pad_samples(pad), idx, old, ref, denom)
             diff_parts.append(diff)
             (loss * scale).backward()
             self.st.heartbeat.beat("a micro-batch")  # the driver's stall check (train.stall_timeout_s) reads these
@@ -227,7 +230,7 @@ class StepRunner:
 
     def _micro_batch(self, batch: list[TrainSample], idx: list[int], old, ref, denom: float):
         """One micro-batch's forward and loss -> (loss, its metric parts, its rollout-diff sums); `idx` are the
-        samples' places in the step (for `old` / `ref`, each a per-sample list or None)."""
+        samples' places in the step (for `old` / `ref`, each a per-sample list or None), the padding after them."""
         g, dev = self.st.cfg.grpo, self.st.device
 
         def flat(values: list) -> torch.Tensor:
@@ -237,7 +240,7 @@ class StepRunner:
         mask = flat([m for s in batch for m in s.loss_mask])
         has_rollout = all(len(s.rollout_logprobs) == s.response_len for s in batch)
         rollout = flat([x for s in batch for x in (s.rollout_logprobs or [0.0] * s.response_len)])
-        old_logp = logp.detach() if old is None else torch.cat([old[i] for i in idx]).to(dev)
+        old_logp = logp.detach() if old is None or not idx else torch.cat([old[i] for i in idx]).to(dev)
         loss, part = micro_batch_loss(
             MicroBatch(
                 logp=logp,
@@ -247,13 +250,32 @@ class StepRunner:
                 sample_ids=sid,
                 num_samples=len(batch),
                 entropy=ent,
-                ref_logp=torch.cat([ref[i] for i in idx]).to(dev) if ref is not None else None,
+                ref_logp=(torch.cat([ref[i] for i in idx]).to(dev) if idx else logp.detach())
+                if ref is not None
+                else None,
                 rollout_logp=rollout if g.use_tis is True and has_rollout else None,
             ),
             g,
             denom,
         )
         return loss, part, rollout_diff_sums(old_logp, rollout, mask, sid, batch)
+
+    def packing(self, lengths: list[int]) -> list[tuple[list[int], int]]:
+        """Micro-batches by token budget, each with the tokens of padding it takes (lockstep_pads): at expert
+        parallel size > 1 every EP rank runs as many micro-batches as the most any packs, each as long as the longest
+        of that place, since the MoE layers exchange their tokens in equal pieces."""
+        mbs = pack_micro_batches(lengths, self.st.cfg.train.max_tokens_per_device)
+        ps = self.st.ps
+        if ps.get_expert_model_parallel_world_size() == 1:
+            return [(mb, 0) for mb in mbs]
+        sizes = [sum(lengths[i] for i in mb) for mb in mbs]
+        group = ps.get_expert_model_parallel_group()
+        count = torch.tensor([len(sizes)], dtype=torch.long, device=self.st.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+        targets = torch.tensor(sizes + [0] * (int(count) - len(sizes)), dtype=torch.long, device=self.st.device)
+        dist.all_reduce(targets, op=dist.ReduceOp.MAX, group=group)
+        pads = lockstep_pads(sizes, targets.tolist())
+        return [(mbs[j] if j < len(mbs) else [], pad) for j, pad in enumerate(pads)]
 
     def _reduce_over_dp(self, metrics: dict[str, float]) -> dict[str, float]:
         """Mean over data-parallel ranks (train/* are step totals already, equal on every rank: see _optimizer_step)."""
