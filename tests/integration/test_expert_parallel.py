@@ -21,7 +21,7 @@ def test_experts_split_over_two_ranks_train_as_replicated_ones(moe_model_dir):
         for ep in (1, 2)
     }
     assert sum(r["pad_tokens"] for r in runs[1]) == 0, "EP 1 pads nothing"
-    assert all(r["pad_tokens"] > 0 for r in runs[2]) or sum(r["pad_tokens"] for r in runs[2]) > 0
+    assert sum(r["pad_tokens"] for r in runs[2]) > 0, "the ranks packed unequal micro-batches: some were padded"
     assert runs[2][0]["micro_batches"] == runs[2][1]["micro_batches"], "every EP rank ran the same micro-batches"
     for step_1, step_2 in zip(runs[1][0]["metrics"], runs[2][0]["metrics"], strict=True):
         assert step_2 == pytest.approx(step_1, rel=1e-5, abs=1e-6)  # ppo_kl: a mean of near-cancelling terms

@@ -82,11 +82,9 @@ def pad_samples(tokens: int) -> list[TrainSample]:
     """A sample of `tokens` prompt tokens and no response (nothing trained, no log-prob gathered): the padding of a
     lockstep micro-batch (none for 0). Packed attention restarts per sample and nothing drops routed tokens, so it
     changes no other sample's values."""
-    return (
-        [TrainSample(tokens=[0] * tokens, prompt_len=tokens, loss_mask=[], rollout_logprobs=[], advantage=0.0)]
-        if (tokens)
-        else []
-    )
+    if tokens == 0:
+        return []
+    return [TrainSample(tokens=[0] * tokens, prompt_len=tokens, loss_mask=[], rollout_logprobs=[], advantage=0.0)]
 
 
 def make_train_batch(groups: list, cfg: RunConfig) -> tuple[list[TrainSample], dict[str, float]]:
