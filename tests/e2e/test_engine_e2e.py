@@ -39,10 +39,12 @@ def moe_run(tmp_path_factory, moe_model_dir):
 
     out = tmp_path_factory.mktemp("moe")
     # this run also goes through the custom generate hook (one policy turn + a masked "tool" token) and passes an
-    # engine argument through rollout.vllm_kwargs (vLLM's CPU default is 256 sequences at once)
+    # engine argument through rollout.vllm_kwargs (vLLM's CPU default is 256 sequences at once); its experts are
+    # split over two trainer ranks (EP 2: lockstep micro-batches, weights gathered over EP for two engines)
     cfg = tiny_config(
         out,
         "model.source=builtin://tiny-qwen3moe-arith",
+        *("train.num_devices=2", "train.expert_parallel_size=2", "rollout.num_engines=2"),
         "rollout.num_rollout=3",
         "eval.datasets=[]",
         "rollout.custom_generate=tests.helpers.custom_generate:with_tool_suffix",
@@ -96,7 +98,8 @@ def test_moe_logprobs_agree_after_syncs(moe_run):
     assert_weights_moved(result)
     # every response is the policy's turn (at least one token) plus the hook's one masked token
     assert all(r["rollout/response_len/mean"] >= 2 for r in rows)
-    assert [i["max_num_seqs"] for i in result.engine_info] == [48]  # rollout.vllm_kwargs reached the engine
+    assert [i["max_num_seqs"] for i in result.engine_info] == [48, 48]  # rollout.vllm_kwargs reached the engines
+    assert len(result.trainer_info) == 2
 
 
 @pytest.fixture(scope="module")
