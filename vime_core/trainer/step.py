@@ -237,10 +237,14 @@ class StepRunner:
             return to_device(values, torch.float32, dev)
 
         logp, ent, sid = self.forward(self.st.model, batch, with_entropy=True)
+
+        def gathered(per_sample: list[torch.Tensor]) -> torch.Tensor:  # in micro-batch order; padding alone: empty
+            return torch.cat([per_sample[i] for i in idx]).to(dev) if idx else logp.detach()
+
         mask = flat([m for s in batch for m in s.loss_mask])
         has_rollout = all(len(s.rollout_logprobs) == s.response_len for s in batch)
         rollout = flat([x for s in batch for x in (s.rollout_logprobs or [0.0] * s.response_len)])
-        old_logp = logp.detach() if old is None or not idx else torch.cat([old[i] for i in idx]).to(dev)
+        old_logp = logp.detach() if old is None else gathered(old)
         loss, part = micro_batch_loss(
             MicroBatch(
                 logp=logp,
@@ -250,9 +254,7 @@ class StepRunner:
                 sample_ids=sid,
                 num_samples=len(batch),
                 entropy=ent,
-                ref_logp=(torch.cat([ref[i] for i in idx]).to(dev) if idx else logp.detach())
-                if ref is not None
-                else None,
+                ref_logp=gathered(ref) if ref is not None else None,
                 rollout_logp=rollout if g.use_tis is True and has_rollout else None,
             ),
             g,
