@@ -292,6 +292,21 @@ def optimizer_resume(
     return out
 
 
+def with_routing(samples: list, arch, seed: int) -> list:
+    """The samples carrying an engine's routed experts, as R3 replays them: [tokens - 1, MoE layers, top_k], a random
+    set of distinct experts per (token, layer), int16 as vLLM returns them."""
+    from dataclasses import replace
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in samples:
+        scores = torch.rand(len(s.tokens) - 1, arch.num_layers, arch.num_experts, generator=g)
+        out.append(replace(s, routed_experts=scores.argsort(-1)[..., : arch.moe_topk].to(torch.int16).numpy()))
+    return out
+
+
 def expert_parallel_run(rank: int, world: int, port: int, model_dir: str, overrides: list[str], rollouts: int) -> dict:
     """The real Trainer of the tiny MoE at `overrides` (tests/integration/test_expert_parallel.py): `rollouts` rollout
     steps on synthetic samples of uneven lengths; returns each step's train/* metrics, the full weights after them
@@ -314,6 +329,8 @@ def expert_parallel_run(rank: int, world: int, port: int, model_dir: str, overri
     metrics = []
     for r in range(rollouts):
         samples = synthetic_samples(32, trainer.state.arch.vocab_size, seed=r, empty_every=7)
+        if cfg.rollout.routing_replay:
+            samples = with_routing(samples, trainer.state.arch, seed=r)
         steps = split_steps_and_ranks(samples, cfg.num_steps_per_rollout, cfg.train.data_parallel_size)[rank]
         metrics.append({k: v for k, v in trainer.train(r, steps).items() if k.startswith("train/")})
     weights = {

@@ -1,25 +1,32 @@
 """Expert parallelism in the real trainer (tiny MoE, gloo, DP = 2): the experts split over two EP ranks train exactly
-as replicated ones. Token-budget packing gives the ranks different micro-batch counts and sizes; megatron's allgather
+as replicated ones, with the routers choosing and with R3 replaying an engine's routing. Token-budget packing gives the ranks different micro-batch counts and sizes; megatron's allgather
 dispatcher exchanges each MoE layer's tokens in equal pieces, so the trainer pads every EP rank's micro-batches to
 the same count and sizes (vime_core.trainer.batching.lockstep_pads). Without that a rank aborts in gloo ("Received
-data size doesn't match expected size")."""
+data size doesn't match expected size"); under R3 the padding routes to fixed experts, or its micro-batch cannot be
+replayed."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.helpers.trainer_ranks import spawn
+from vime_core.metrics import ROUTING_METRICS
 
 # micro-batches of at most 24 tokens (samples are 4-12): several per rank and step, unequal over the ranks; the KL
 # term adds the reference model's no-grad forward, and two optimizer steps per rollout the old log-probs' one
 OVERRIDES = ["train.max_tokens_per_device=24", "grpo.kl_loss_coef=0.01", "train.global_batch_size=64"]
 
 
-def test_experts_split_over_two_ranks_train_as_replicated_ones(moe_model_dir):
+@pytest.mark.parametrize("replay", [False, True], ids=["routers-choose", "routing-replay"])
+def test_experts_split_over_two_ranks_train_as_replicated_ones(moe_model_dir, replay):
+    overrides = [*OVERRIDES, f"rollout.routing_replay={str(replay).lower()}"]
     runs = {
-        ep: spawn("expert_parallel_run", 2, str(moe_model_dir), [*OVERRIDES, f"train.expert_parallel_size={ep}"], 2)
+        ep: spawn("expert_parallel_run", 2, str(moe_model_dir), [*overrides, f"train.expert_parallel_size={ep}"], 2)
         for ep in (1, 2)
     }
+    if replay:  # R3's metrics are among those compared below
+        assert set(ROUTING_METRICS) <= set(runs[2][0]["metrics"][0])
+        assert runs[1][0]["metrics"][0]["train/routing_agreement"] < 0.9  # random routings: the routers disagree
     assert sum(r["pad_tokens"] for r in runs[1]) == 0, "EP 1 pads nothing"
     assert sum(r["pad_tokens"] for r in runs[2]) > 0, "the ranks packed unequal micro-batches: some were padded"
     assert runs[2][0]["micro_batches"] == runs[2][1]["micro_batches"], "every EP rank ran the same micro-batches"

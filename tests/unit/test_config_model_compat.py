@@ -84,18 +84,18 @@ def test_model_compat_expert_parallel_not_dividing_experts(arch):
         check_model_compat(cfg, moe)
 
 
-def test_expert_parallel_training_fits_and_routing_replay_beside_it_is_refused():
-    """EP 2 over 6 experts trains (the trainer pads the EP ranks' micro-batches to lockstep); R3 cannot replay the
-    padding's routing, so the two together are refused naming both fields."""
+def test_expert_parallel_training_fits_with_and_without_routing_replay(arch):
+    """EP 2 over 6 experts trains (the trainer pads the EP ranks' micro-batches to lockstep), R3 beside it too (the
+    padding routes to fixed experts): neither is refused; a dense model with R3 still is."""
     moe = moe_arch(6)
     check_model_compat(load_config(None, ["train.num_devices=4", "train.expert_parallel_size=2"]), moe)
     cfg = load_config(
         None,
         ["train.num_devices=4", "train.expert_parallel_size=2", "rollout.routing_replay=true", "cluster.platform=cuda"],
     )
-    with pytest.raises(ConfigError, match=r"rollout.routing_replay = true with train.expert_parallel_size > 1"):
-        check_model_compat(cfg, moe)
-    check_model_compat(load_config(None, ["train.num_devices=4", "rollout.routing_replay=true"]), moe)  # EP 1
+    check_model_compat(cfg, moe)
+    with pytest.raises(ConfigError, match=r"rollout.routing_replay = true needs an MoE model"):
+        check_model_compat(load_config(None, ["rollout.routing_replay=true", "cluster.platform=cuda"]), arch)
 
 
 @pytest.mark.parametrize(

@@ -124,3 +124,15 @@ def test_a_pad_sample_is_prompt_only_and_none_for_no_tokens():
         [],
     )
     assert pad_samples(0) == []
+
+
+def test_a_replayed_pad_routes_every_token_to_fixed_experts_and_passes_the_checks():
+    from vime_core.trainer.routing import check_routed_experts, packed_routing
+
+    (pad,) = pad_samples(3, routing=(2, 2))
+    assert pad.routed_experts.shape == (2, 2, 2) and pad.routed_experts.tolist() == [[[0, 1]] * 2] * 2
+    (one,) = pad_samples(1, routing=(2, 2))  # one token: no engine row, the packed row still gets its experts
+    check_routed_experts([pad, one], num_layers=2, top_k=2, num_experts=4)
+    packed = packed_routing([pad, one])
+    assert packed.shape == (4, 2, 2) and packed[3].tolist() == [[0, 1], [0, 1]]
+    assert pad_samples(3)[0].routed_experts is None  # without replay the padding carries none

@@ -73,12 +73,6 @@ def check_model_compat(cfg: RunConfig, arch: Any) -> None:
         raise ConfigError("config does not fit the model: " + "; ".join(problems))
     if cfg.rollout.routing_replay and not arch.is_moe:
         raise ConfigError("rollout.routing_replay = true needs an MoE model (this one is dense); set it to false")
-    if cfg.rollout.routing_replay and cfg.train.expert_parallel_size > 1:
-        # the padding that keeps EP ranks in lockstep (trainer.batching.lockstep_pads) has no routing to replay
-        raise ConfigError(
-            "rollout.routing_replay = true with train.expert_parallel_size > 1 is not supported yet; set "
-            "train.expert_parallel_size = 1 or rollout.routing_replay = false"
-        )
     if cfg.train.moe_grouped_gemm is True:
         why = grouped_gemm_problem(arch, cfg.model.dtype, cfg.train.tensor_parallel_size)
         if why:

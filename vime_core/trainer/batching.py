@@ -78,13 +78,27 @@ def lockstep_pads(sizes: list[int], targets: list[int]) -> list[int]:
     return [t - (sizes[j] if j < len(sizes) else 0) for j, t in enumerate(targets)]
 
 
-def pad_samples(tokens: int) -> list[TrainSample]:
+def pad_samples(tokens: int, routing: tuple[int, int] | None = None) -> list[TrainSample]:
     """A sample of `tokens` prompt tokens and no response (nothing trained, no log-prob gathered): the padding of a
     lockstep micro-batch (none for 0). Packed attention restarts per sample and nothing drops routed tokens, so it
-    changes no other sample's values."""
+    changes no other sample's values. `routing` (MoE layers, top_k), with rollout.routing_replay: the padding routes
+    every token to experts 0..top_k-1, since a replayed micro-batch needs a routing for each of its tokens."""
     if tokens == 0:
         return []
-    return [TrainSample(tokens=[0] * tokens, prompt_len=tokens, loss_mask=[], rollout_logprobs=[], advantage=0.0)]
+    experts = None
+    if routing is not None:
+        layers, top_k = routing
+        experts = torch.arange(top_k).expand(tokens - 1, layers, top_k)
+    return [
+        TrainSample(
+            tokens=[0] * tokens,
+            prompt_len=tokens,
+            loss_mask=[],
+            rollout_logprobs=[],
+            advantage=0.0,
+            routed_experts=experts,
+        )
+    ]
 
 
 def make_train_batch(groups: list, cfg: RunConfig) -> tuple[list[TrainSample], dict[str, float]]:

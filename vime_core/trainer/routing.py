@@ -45,7 +45,7 @@ def check_routed_experts(batch: Sequence, num_layers: int, top_k: int, num_exper
                 "engine's model is not the trainer's: check model.source, or set rollout.routing_replay = false"
             )
         t = torch.as_tensor(s.routed_experts)
-        if int(t.min()) < 0 or int(t.max()) >= num_experts:
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_experts):
             raise RoutingReplayError(
                 f"{where}: routed expert ids span {int(t.min())}..{int(t.max())}, the model has {num_experts} experts"
             )
@@ -56,7 +56,9 @@ def packed_routing(batch: Sequence) -> torch.Tensor:
     parts = []
     for s in batch:
         t = torch.as_tensor(s.routed_experts).long()
-        parts += [t, t[-1:]]  # the last token: see the module docstring
+        # the last token: see the module docstring; a one-token sample (lockstep padding) has no neighbour
+        last = t[-1:] if len(t) else torch.arange(t.shape[2]).expand(1, *t.shape[1:])
+        parts += [t, last]
     return torch.cat(parts)
 
 

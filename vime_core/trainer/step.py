@@ -107,11 +107,14 @@ class StepRunner:
         live = [s for s in samples if s.response_len > 0]
         same = total = 0
         parts = []
-        for mb in pack_micro_batches([len(s.tokens) for s in live], self.st.cfg.train.max_tokens_per_device):
+        for mb, pad in self.packing([len(s.tokens) for s in live]):
             batch = [live[i] for i in mb]
             with recording(self.st.model) as chosen:
-                logp, _, sid = self.forward(self.st.model, batch, with_entropy=False, replay=False)
-            s, n = agreement(chosen[0], packed_routing(batch), engine_rows(batch))
+                logp, _, sid = self.forward(self.st.model, batch + pad_samples(pad), with_entropy=False, replay=False)
+            if not batch:  # lockstep padding alone (expert parallel): nothing to compare
+                continue
+            real = sum(len(b.tokens) for b in batch)  # the padding's rows come last
+            s, n = agreement(chosen[0][:real], packed_routing(batch), engine_rows(batch))
             same, total = same + s, total + n
             flat_rollout = [x for b in batch for x in (b.rollout_logprobs or [0.0] * b.response_len)]
             rollout = to_device(flat_rollout, torch.float32, logp.device)
@@ -127,7 +130,7 @@ class StepRunner:
         out: list[torch.Tensor | None] = [None] * len(samples)
         with self.st.peaks.phase("logprobs"):
             for mb, pad in self.packing([len(s.tokens) for s in samples]):
-                logp, _, sid = self.forward(model, [samples[i] for i in mb] + pad_samples(pad), with_entropy=False)
+                logp, _, sid = self.forward(model, [samples[i] for i in mb] + self.pads(pad), with_entropy=False)
                 for j, i in enumerate(mb):
                     out[i] = logp[sid == j].cpu()
                 self.st.heartbeat.beat("a no-grad forward")
@@ -205,7 +208,7 @@ class StepRunner:
         live = [i for i, s in enumerate(samples) if s.response_len > 0]
         for mb, pad in self.packing([len(samples[i].tokens) for i in live]):
             idx = [live[j] for j in mb]
-            loss, part, diff = self._micro_batch([samples[i] for i in idx] + pad_samples(pad), idx, old, ref, denom)
+            loss, part, diff = self._micro_batch([samples[i] for i in idx] + self.pads(pad), idx, old, ref, denom)
             diff_parts.append(diff)
             (loss * scale).backward()
             self.st.heartbeat.beat("a micro-batch")  # the driver's stall check (train.stall_timeout_s) reads these
@@ -261,6 +264,11 @@ class StepRunner:
             denom,
         )
         return loss, part, rollout_diff_sums(old_logp, rollout, mask, sid, batch)
+
+    def pads(self, tokens: int) -> list[TrainSample]:
+        """The lockstep padding of a micro-batch (`packing`), routed when the routers replay (R3)."""
+        a = self.st.arch
+        return pad_samples(tokens, (a.num_layers, a.moe_topk) if self.st.cfg.rollout.routing_replay else None)
 
     def packing(self, lengths: list[int]) -> list[tuple[list[int], int]]:
         """Micro-batches by token budget, each with the tokens of padding it takes (lockstep_pads): at expert
