@@ -3,7 +3,7 @@
     for rollout_id in range(start, num_rollout):       # train_step: one step function for both modes
         groups = sched.take(rollout_id)        # prompts -> n samples each: tokens, log-probs, rewards, policy version
         trainer.train(rollout_id, groups)      # recompute log-probs, advantages, GRPO optimizer steps
-        sync.push()                            # trainer -> engines, prefix caches dropped
+        sync.push()                            # trainer -> engines (their prefix caches go stale)
         maybe save, maybe evaluate
 
 `rollout.max_staleness = 0` samples each rollout after the previous step's push (on-policy); N > 0 runs the next

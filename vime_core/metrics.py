@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from pathlib import Path
 from typing import Any, Protocol
 
 from vime_core.errors import VimeError
+from vime_core.sample import Sample
 
 # the names the loop logs every step (see loop.py); tests and the notebook rely on them
 ROLLOUT_METRICS = ("rollout/raw_reward", "rollout/rewards", "rollout/response_len/mean", "rollout/truncated_ratio")
@@ -37,6 +39,21 @@ PERF_METRICS = (
     "perf/step_time",
     "perf/actor_train_tok_per_s",
 )
+
+
+def rollout_metrics(generated: list[list[Sample]], rollout_time: float, devices: int) -> dict[str, float]:
+    """The step's rollout metrics over every generated sample (dropped groups of dynamic sampling included)."""
+    everything = [s for g in generated for s in g]
+    resp_lens = [s.response_len for s in everything]
+    return {
+        "rollout/raw_reward": statistics.fmean(s.reward for s in everything),
+        "rollout/response_len/mean": statistics.fmean(resp_lens),
+        "rollout/response_len/max": float(max(resp_lens)),
+        "rollout/truncated_ratio": statistics.fmean(1.0 if s.truncated else 0.0 for s in everything),
+        "rollout/zero_std_ratio": statistics.fmean(0.0 if len({s.reward for s in g}) > 1 else 1.0 for g in generated),
+        "perf/rollout_time": rollout_time,
+        "perf/tokens_per_gpu_per_sec": sum(resp_lens) / rollout_time / max(1, devices),
+    }
 
 
 class MetricsSink(Protocol):

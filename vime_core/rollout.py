@@ -20,7 +20,6 @@ import difflib
 import hashlib
 import logging
 import os
-import statistics
 import time
 from dataclasses import dataclass, field, replace
 from importlib.metadata import version
@@ -30,6 +29,7 @@ from vime_core.aio import run_sync
 from vime_core.errors import VimeError
 from vime_core.generate_hook import check_hook_samples, load_custom_generate
 from vime_core.kv_cache import kv_cache_tokens, max_num_seqs
+from vime_core.metrics import rollout_metrics
 from vime_core.progress import Heartbeat
 from vime_core.rpc import Stall, call_all, gather
 from vime_core.sample import Sample
@@ -196,6 +196,7 @@ class VLLMEngine:
         self.custom_generate = None
         if opts.custom_generate:
             self.custom_generate = load_custom_generate(opts.custom_generate)
+        self.cache_stale = False  # weights changed since the prefix cache was filled: `generate` drops it first
         log.info("vLLM engine up in %.1fs (%s, %s)", self.start_seconds, opts.model_path, opts.dtype)
 
     def _beat_per_step(self, heartbeat: Heartbeat) -> None:
@@ -215,8 +216,16 @@ class VLLMEngine:
         return self.start_seconds
 
     # -- generation ---------------------------------------------------------------------------------------------------
-    def generate(self, requests: list[GroupRequest], spec: SamplingSpec) -> list[list[Sample]]:
-        """Sample every request's group; returns one list of `spec.n` samples per request, in order."""
+    def generate(
+        self, requests: list[GroupRequest], spec: SamplingSpec, cold_cache: bool = False
+    ) -> list[list[Sample]]:
+        """Sample every request's group; returns one list of `spec.n` samples per request, in order. The prefix
+        cache is dropped first when the weights changed since it was filled, or with `cold_cache` (a rollout step's
+        first call: a resumed run then samples exactly as the uninterrupted one would). Here rather than in calls
+        of its own: each is an actor round trip, ~5-10 ms a step on the 2-core box."""
+        if cold_cache or self.cache_stale:
+            self.reset_prefix_cache()
+            self.cache_stale = False
         if self.custom_generate is not None:
             return run_sync(self._generate_custom(requests, spec))
         prompts = [{"prompt_token_ids": r.template.prompt_ids} for r in requests]
@@ -254,7 +263,9 @@ class VLLMEngine:
     # -- weights --------------------------------------------------------------------------------------------------------
     def weights(self, transport: str, op: str, *args):
         """The engine's one door for weights: every worker runs `op` of `transport`'s receiver (vime_core/sync/;
-        through vime_core.sync.worker.VLLMWorkerExtension); the caller then drops the prefix cache (WeightSync)."""
+        through vime_core.sync.worker.VLLMWorkerExtension). The prefix cache holds KV of the old weights from then
+        on: the next `generate` drops it before it serves anything."""
+        self.cache_stale = True
         return self.llm.collective_rpc("vime_weights", args=(transport, op, *args))[0]
 
     def info(self) -> dict[str, Any]:
@@ -389,19 +400,23 @@ class RolloutRouter:
         spec: SamplingSpec,
         timeout_s: float | None = None,
         setting: str = "rollout.timeout_s",
+        cold_cache: bool = False,
     ) -> list[list[Sample]]:
-        """`timeout_s`/`setting`: another bound than rollout.timeout_s (an eval set: eval.timeout_s)."""
+        """`timeout_s`/`setting`: another bound than rollout.timeout_s (an eval set: eval.timeout_s). `cold_cache`:
+        every engine drops its prefix cache first (those given no group meanwhile, in a call of its own)."""
         parts = assign_groups([len(r.template.prompt_ids) * spec.n for r in requests], len(self.engines))
         busy = [(e, ix) for e, ix in enumerate(parts) if ix]
-        futures = [self.engines[e].generate.remote([requests[i] for i in ix], spec) for e, ix in busy]
+        futures = [self.engines[e].generate.remote([requests[i] for i in ix], spec, cold_cache) for e, ix in busy]
+        idle = [e for e, ix in enumerate(parts) if not ix] if cold_cache else []
+        resets = [self.engines[e].reset_prefix_cache.remote() for e in idle]
         results = gather(
-            futures,
-            [f"vLLM engine {e}" for e, _ in busy],
+            futures + resets,
+            [f"vLLM engine {e}" for e, _ in busy] + [f"vLLM engine {e}" for e in idle],
             f"generate ({sum(len(ix) for _, ix in busy)} prompt groups)",
             timeout_s or self.timeout_s,
             setting,
             self.stall,
-        )
+        )[: len(futures)]
         out: list[list[Sample] | None] = [None] * len(requests)
         for (_, ix), groups in zip(busy, results):
             for i, group in zip(ix, groups):
@@ -444,8 +459,6 @@ def collect_rollout(
     generated: list[list[Sample]] = []
     attempts = 0
     t0 = time.perf_counter()
-    # a cold prefix cache at every step: a resumed run then samples exactly as the uninterrupted one would
-    router.call_all("reset_prefix_cache")
     while len(kept) < want and attempts < (r.max_sampling_attempts if r.dynamic_sampling else 1):
         prompts = buffer.next_batch(per_attempt)
         base = len(generated)
@@ -453,7 +466,8 @@ def collect_rollout(
             GroupRequest(p.template(group_id=base + i), request_seed(cfg.seed, rollout_id, attempts, i))
             for i, p in enumerate(prompts)
         ]
-        groups = router.generate(requests, spec)
+        # a cold prefix cache at every step: a resumed run then samples exactly as the uninterrupted one would
+        groups = router.generate(requests, spec, cold_cache=attempts == 0)
         reward_model.score(groups)
         generated += groups
         for g in groups:
@@ -478,18 +492,3 @@ def collect_rollout(
             }
         )
     return batch, metrics, consumed
-
-
-def rollout_metrics(generated: list[list[Sample]], rollout_time: float, devices: int) -> dict[str, float]:
-    """The step's rollout metrics over every generated sample (dropped groups of dynamic sampling included)."""
-    everything = [s for g in generated for s in g]
-    resp_lens = [s.response_len for s in everything]
-    return {
-        "rollout/raw_reward": statistics.fmean(s.reward for s in everything),
-        "rollout/response_len/mean": statistics.fmean(resp_lens),
-        "rollout/response_len/max": float(max(resp_lens)),
-        "rollout/truncated_ratio": statistics.fmean(1.0 if s.truncated else 0.0 for s in everything),
-        "rollout/zero_std_ratio": statistics.fmean(0.0 if len({s.reward for s in g}) > 1 else 1.0 for g in generated),
-        "perf/rollout_time": rollout_time,
-        "perf/tokens_per_gpu_per_sec": sum(resp_lens) / rollout_time / max(1, devices),
-    }

@@ -18,7 +18,7 @@ class Sleepy:
     def __init__(self, hang: float):
         self.hang = hang
 
-    def generate(self, requests, spec):
+    def generate(self, requests, spec, cold_cache=False):
         time.sleep(self.hang)
         return [[] for _ in requests]
 

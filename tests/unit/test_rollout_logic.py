@@ -49,8 +49,8 @@ class FakeRouter:
         self.calls.append(method)
         return []
 
-    def generate(self, requests, spec):
-        self.calls.append(("generate", len(requests)))
+    def generate(self, requests, spec, cold_cache=False):
+        self.calls.append(("generate", len(requests), cold_cache))
         groups = []
         for r in requests:
             idx = r.template.metadata["index"]
@@ -105,7 +105,8 @@ def test_dynamic_sampling_keeps_only_informative_groups(tmp_path):
     )
     assert consumed == list(range(8))  # two attempts of 4 prompts, in order
     assert metrics["rollout/zero_std_ratio"] == 0.5 and metrics["rollout/raw_reward"] == pytest.approx(0.25)
-    assert router.calls[0] == "reset_prefix_cache"
+    # the step's first call samples from a cold prefix cache (a resume samples as the uninterrupted run), not the next
+    assert [c[2] for c in router.calls] == [True, False]
 
 
 def test_dynamic_sampling_fills_a_shortfall_with_dropped_groups(tmp_path):
@@ -131,7 +132,7 @@ def test_without_dynamic_sampling_one_pass_is_used(tmp_path):
     router = FakeRouter(lambda i: 0)
     groups, metrics, consumed = collect_rollout(3, cfg, buffer(), router, MathReward())
     assert len(groups) == 4 and consumed == [0, 1, 2, 3] and metrics["rollout/zero_std_ratio"] == 1.0
-    assert [c for c in router.calls if isinstance(c, tuple)] == [("generate", 4)]
+    assert [c for c in router.calls if isinstance(c, tuple)] == [("generate", 4, True)]
 
 
 class FakeEngine:
@@ -311,7 +312,7 @@ def test_eval_generate_calls_are_bounded_by_eval_timeout_s(tmp_path, monkeypatch
     monkeypatch.setattr(
         rollout, "gather", lambda refs, who, doing, timeout_s, setting, stall: seen.append((timeout_s, setting)) or []
     )
-    engine = SimpleNamespace(generate=SimpleNamespace(remote=lambda reqs, spec: None))
+    engine = SimpleNamespace(generate=SimpleNamespace(remote=lambda reqs, spec, cold_cache: None))
     router = RolloutRouter([engine], cfg.rollout.timeout_s)
     request = SimpleNamespace(template=SimpleNamespace(prompt_ids=[1, 2]))
     spec = SimpleNamespace(n=1)
@@ -339,3 +340,54 @@ def test_evaluate_passes_eval_timeout_s_to_the_router(tmp_path):
     prompt = SimpleNamespace(index=0, template=lambda group_id: SimpleNamespace(prompt_ids=[1]))
     metrics = evaluate(Router(), {"held": PromptSet("x", [prompt])}, cfg, SimpleNamespace(score=lambda groups: None))
     assert seen == [(321, "eval.timeout_s")] and metrics["eval/held/num_prompts"] == 1.0
+
+
+# ---- prefix cache ---------------------------------------------------------------------------------------------------
+def test_an_engine_drops_its_prefix_cache_before_sampling_after_a_weights_op_or_when_asked():
+    from vime_core.rollout import VLLMEngine
+
+    log = []
+    llm = SimpleNamespace(
+        reset_prefix_cache=lambda: log.append("reset") or True,
+        collective_rpc=lambda method, args: log.append(args[:2]) or [3],
+        generate=lambda prompts, params, use_tqdm: log.append("generate") or [],
+    )
+    engine = SimpleNamespace(llm=llm, cache_stale=False, custom_generate=None)
+    engine.reset_prefix_cache = lambda: VLLMEngine.reset_prefix_cache(engine)
+    spec = SamplingSpec(1, 1.0, 1.0, -1, 8)
+
+    def generate(cold=False):
+        log.clear()
+        VLLMEngine.generate(engine, [], spec, cold)
+        return log[:]
+
+    assert generate() == ["generate"]  # a warm cache of these weights is kept
+    assert VLLMEngine.weights(engine, "cpu", "load", []) == 3 and engine.cache_stale
+    assert generate() == ["reset", "generate"] and not engine.cache_stale  # KV of the old weights never served
+    assert generate() == ["generate"]
+    assert generate(cold=True) == ["reset", "generate"]  # a rollout step's first call
+
+
+def test_a_cold_cache_generate_resets_the_engines_given_no_group_too(monkeypatch):
+    import vime_core.rollout as rollout
+    from vime_core.rollout import GroupRequest, RolloutRouter
+
+    calls = []
+    monkeypatch.setattr(
+        rollout, "gather", lambda refs, who, doing, timeout_s, setting, stall: (calls.append(who), refs)[1]
+    )
+
+    def engine(i):
+        return SimpleNamespace(
+            generate=SimpleNamespace(remote=lambda reqs, spec, cold: [(f"engine {i}", cold)] * len(reqs)),
+            reset_prefix_cache=SimpleNamespace(remote=lambda: f"reset {i}"),
+        )
+
+    router = RolloutRouter([engine(0), engine(1)], 60)
+    request = GroupRequest(Sample(group_id=0, prompt_ids=[1, 2]), seed=1)
+    spec = SamplingSpec(1, 1.0, 1.0, -1, 8)
+    assert router.generate([request], spec, cold_cache=True) == [("engine 0", True)]
+    assert calls == [["vLLM engine 0", "vLLM engine 1"]]  # engine 0 samples cold, engine 1 (idle) only resets
+    calls.clear()
+    assert router.generate([request], spec) == [("engine 0", False)]
+    assert calls == [["vLLM engine 0"]]

@@ -236,7 +236,7 @@ def test_resolve_strategy(requested, platform, colocate, expected):
     assert resolve_strategy(requested, platform, colocate) in TRANSPORTS
 
 
-def test_weight_sync_wakes_engines_around_the_registered_transport_then_drops_the_prefix_cache(monkeypatch):
+def test_weight_sync_wakes_engines_around_the_registered_transport(monkeypatch):
     calls: list = []
 
     class Recorded(Transport):
@@ -250,13 +250,13 @@ def test_weight_sync_wakes_engines_around_the_registered_transport_then_drops_th
     assert isinstance(sync.transport, Recorded)
     sync.release_engines()
     sync.push()
-    assert [c[0] for c in calls] == ["sleep", "wake_up", "transport push", "wake_up", "reset_prefix_cache"]
+    assert [c[0] for c in calls] == ["sleep", "wake_up", "transport push", "wake_up"]
     assert calls[1][1] == ["weights"] and calls[3][1] == ["kv_cache"] and calls[2][1] == 2 * 2**20
     assert calls[0][1] == 1  # cluster.engine_sleep_level's default: vLLM keeps a host copy of the weights
     assert all(c[-2:] == (7, "sync.timeout_s") for c in calls if c[0] != "transport push")
     calls.clear()
-    sync.push()  # awake now: no wake-up, still a cache reset
-    assert [c[0] for c in calls] == ["transport push", "reset_prefix_cache"]
+    sync.push()  # awake now: no wake-up (the engines drop their prefix caches themselves: VLLMEngine.weights)
+    assert [c[0] for c in calls] == ["transport push"]
 
 
 def test_weight_sync_sleep_level_two_drops_the_weights_that_the_push_resends(monkeypatch):
@@ -273,4 +273,31 @@ def test_weight_sync_sleep_level_two_drops_the_weights_that_the_push_resends(mon
     sync.release_engines()
     sync.push()
     assert calls[0][:2] == ("sleep", 2)
-    assert [c[0] for c in calls] == ["sleep", "wake_up", "transport push", "wake_up", "reset_prefix_cache"]
+    assert [c[0] for c in calls] == ["sleep", "wake_up", "transport push", "wake_up"]
+
+
+def test_the_cpu_push_hands_rank_0s_export_to_every_engine_without_the_driver(monkeypatch):
+    """The engines' load takes the export call's ref (Ray resolves it in the engine), and one wait covers both halves,
+    the trainer ranks first so that an export's own error is the one raised."""
+    from types import SimpleNamespace
+
+    import vime_core.rpc as rpc
+    from vime_core.sync.cpu import CpuTransport
+
+    def actor(name):
+        return SimpleNamespace(weights=SimpleNamespace(remote=lambda *args: (name, *args)))
+
+    trainers = SimpleNamespace(actors=[actor("rank 0"), actor("rank 1")])
+    router = SimpleNamespace(engines=[actor("engine 0"), actor("engine 1")])
+    waited = []
+    monkeypatch.setattr(rpc, "gather", lambda refs, who, doing, timeout_s, setting: waited.append((refs, who)) or refs)
+    CpuTransport(Peers(trainers, router, 9), 0).push()
+    ((refs, who),) = waited
+    export_0 = ("rank 0", "export")
+    assert refs == [
+        export_0,
+        ("rank 1", "export"),
+        ("engine 0", "cpu", "load", export_0),
+        ("engine 1", "cpu", "load", export_0),
+    ]
+    assert who == ["trainer rank 0", "trainer rank 1", "vLLM engine 0", "vLLM engine 1"]

@@ -1,9 +1,11 @@
 """Weight sync: trainer -> vLLM engines. One interface (`WeightSync.push`), one transport per mode, each in its own
 module holding the driver's push, the trainer rank's send half and the engine worker's receive half:
 
-- `cpu`: full HF-named weights from trainer rank 0 through Ray's object store; each engine reloads them in place and
-  drops its prefix cache (cached KV of the old weights would otherwise be reused: log-prob diffs of 0.6-0.9 instead
-  of 4e-7).
+- `cpu`: full HF-named weights from trainer rank 0 through Ray's object store; each engine reloads them in place.
+
+Every transport goes through the engine's one weights door, `VLLMEngine.weights`, which marks the prefix cache stale:
+the engine drops it before its next generate (cached KV of the old weights would otherwise be reused: log-prob diffs
+of 0.6-0.9 instead of 4e-7).
 - `cuda_ipc` (colocated): buckets packed on every trainer GPU, CUDA IPC handles keyed by device UUID.
 - `nccl` (disaggregated): buckets broadcast by trainer rank 0 over a NCCL group spanning trainer and engines.
 

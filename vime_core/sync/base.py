@@ -32,6 +32,14 @@ class Peers:
     def trainers(self, method: str, *args) -> list:
         return self.trainer.call_all(method, *args, timeout_s=self.timeout_s, setting="sync.timeout_s")
 
+    def start(self, side: str, method: str, *args) -> tuple[list, list[str]]:
+        """`method(*args)` on every trainer rank (`side` "trainers") or engine ("engines") without waiting: (refs,
+        names) for `get`. An argument may be another call's ref: Ray hands over its result, not the driver."""
+        actors, kind = (
+            (self.trainer.actors, "trainer rank") if side == "trainers" else (self.router.engines, "vLLM engine")
+        )
+        return [getattr(a, method).remote(*args) for a in actors], [f"{kind} {i}" for i in range(len(actors))]
+
     def get(self, refs: list, who: list[str], doing: str) -> list:
         from vime_core.rpc import gather
 

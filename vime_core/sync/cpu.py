@@ -40,11 +40,12 @@ class CpuTransport(Transport):
     exporter, receiver = CpuExporter, CpuReceiver
 
     def push(self) -> None:
-        import ray
-
-        weights = self.peers.trainers("weights", "export")[0]  # rank 0's full tensors
-        ref = ray.put(weights)  # one copy in the object store, shared by every engine
-        self.peers.engines("weights", self.name, "load", ref)
+        # rank 0's export reaches the engines as a reference to its result in Ray's object store (one copy, shared by
+        # every engine), with no stop at the driver, which used to fetch the tensors and put them back: two actor
+        # round trips and a copy, ~15 ms of the tiny CPU model's ~45 ms push
+        exports, ranks = self.peers.start("trainers", "weights", "export")
+        loads, engines = self.peers.start("engines", "weights", self.name, "load", exports[0])
+        self.peers.get(exports + loads, ranks + engines, "the weight sync (cpu: export, then load)")
 
 
 def send(

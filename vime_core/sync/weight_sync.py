@@ -1,6 +1,6 @@
 """`WeightSync`: the loop's one call to push the trainer's weights into the engines. It owns what is the same for
-every transport (engine sleep/wake around the push, the prefix-cache reset after it) and picks the transport by
-name from `TRANSPORTS`."""
+every transport (engine sleep/wake around the push) and picks the transport by name from `TRANSPORTS`. The engines
+drop their prefix caches themselves (`VLLMEngine.weights` marks the cache stale)."""
 
 from __future__ import annotations
 
@@ -72,5 +72,4 @@ class WeightSync:
         if self._asleep:
             self.peers.engines("wake_up", ["kv_cache"])
             self._asleep = False
-        self.peers.engines("reset_prefix_cache")  # never serve KV computed with the old weights
         return time.perf_counter() - t0
