@@ -2,12 +2,12 @@
 module holding the driver's push, the trainer rank's send half and the engine worker's receive half:
 
 - `cpu`: full HF-named weights from trainer rank 0 through Ray's object store; each engine reloads them in place.
+- `cuda_ipc` (colocated): buckets packed on every trainer GPU, CUDA IPC handles keyed by device UUID.
+- `nccl` (disaggregated): buckets broadcast by trainer rank 0 over a NCCL group spanning trainer and engines.
 
 Every transport goes through the engine's one weights door, `VLLMEngine.weights`, which marks the prefix cache stale:
 the engine drops it before its next generate (cached KV of the old weights would otherwise be reused: log-prob diffs
 of 0.6-0.9 instead of 4e-7).
-- `cuda_ipc` (colocated): buckets packed on every trainer GPU, CUDA IPC handles keyed by device UUID.
-- `nccl` (disaggregated): buckets broadcast by trainer rank 0 over a NCCL group spanning trainer and engines.
 
 `base` holds the transport protocol and what the transports share (the bucket loop, the trainer's bucket export, the
 engine-side load), `packing` the pure bucket packing, `worker` the vLLM worker extension, `weight_sync` the
