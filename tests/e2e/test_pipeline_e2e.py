@@ -3,9 +3,10 @@ deployment from infra/prefect.yaml (its cron schedule, concurrency limit and job
 parameters point into the test's directory), and the MLflow store the runs fill.
 
 One server, one worker, five flow runs, in order:
-1. the cron schedule creates runs; the first is moved to now and runs through the worker: the first night. Its
-   reward function fails once after the first checkpoint (tests/helpers/flaky_reward.py): the train task must be
-   retried by Prefect, resume from that checkpoint and keep logging into the same MLflow run;
+1. the cron schedules create runs; the first of the first date with both nights (`night_pair`) is moved to now and
+   runs through the worker: the first night. Its reward function fails once after the first checkpoint
+   (tests/helpers/flaky_reward.py): the train task must be retried by Prefect, resume from that checkpoint and keep
+   logging into the same MLflow run;
 2. a second night, the scheduler's other run of the same date (the test adds a second cron time; the scheduler
    created both in one batch, ids sharing their first 8 characters): a candidate from the champion, its own dir,
    MLflow run and model version; v1 stays as it was;
