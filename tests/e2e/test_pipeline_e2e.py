@@ -34,7 +34,17 @@ import pytest
 import yaml
 
 from tasks.nightly import flow_run_key
-from tests.helpers.prefect_api import BIN, api, prefect, stop, wait_http, wait_until
+from tests.helpers.prefect_api import (
+    BIN,
+    api,
+    flow_runs,
+    night_pair,
+    prefect,
+    run_scheduled,
+    stop,
+    wait_http,
+    wait_until,
+)
 from tests.helpers.tiny import REPO
 from tests.helpers.webhook import start_webhook
 from vime_core.ports import free_port
@@ -43,7 +53,6 @@ from vime_core.ports import free_port
 STEPS = 3
 EVAL_NAME = "arith-heldout"
 MODEL = "vime-tiny-cpu"
-TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 SECOND_CRON = "30 2 * * *"  # the test's second night, half an hour after the shipped schedule's
 
 
@@ -127,13 +136,6 @@ def deployment(prefect_env, tmp_path_factory):
         stop(worker, grace=5)  # a process worker ignores SIGTERM for 30+ s; every run is over by now
 
 
-def flow_runs(d: dict, state_types: list[str] | None = None) -> list[dict]:
-    body = {"flow_runs": {"deployment_id": {"any_": [d["id"]]}}, "sort": "EXPECTED_START_TIME_ASC"}
-    if state_types:
-        body["flow_runs"]["state"] = {"type": {"any_": state_types}}
-    return api(d["env"], "/flow_runs/filter", body)
-
-
 def run_now(d: dict, params: dict) -> tuple[subprocess.CompletedProcess, dict]:
     """`prefect deployment run ... --watch`, and the flow run it created (read back from the server)."""
     before = {r["id"] for r in flow_runs(d)}
@@ -142,32 +144,6 @@ def run_now(d: dict, params: dict) -> tuple[subprocess.CompletedProcess, dict]:
     )
     (new,) = [x for x in flow_runs(d) if x["id"] not in before]
     return r, new
-
-
-def run_scheduled(d: dict, run: dict) -> dict:
-    """A run the scheduler created, moved to now, run by the worker: its final flow run."""
-    now = datetime.now(timezone.utc).isoformat()
-    api(
-        d["env"],
-        f"/flow_runs/{run['id']}/set_state",
-        {"state": {"type": "SCHEDULED", "name": "Scheduled", "state_details": {"scheduled_time": now}}, "force": True},
-    )
-    return wait_until(
-        lambda: (fr := api(d["env"], f"/flow_runs/{run['id']}"))["state"]["type"] in TERMINAL and fr,
-        1200,
-        "the scheduled run did not finish",
-        interval=5,
-    )
-
-
-def night_pair(scheduled: list[dict]) -> tuple[dict, dict] | None:
-    """The first date on which both nights are scheduled: (its first run, its second); None while there is none.
-    Not simply the earliest run: between 02:00 and 02:30 UTC today's first night is past, so the earliest scheduled
-    run is today's second night, whose pair is tomorrow's (the e2e tier failed so at 02:04)."""
-    by_date: dict[str, list[dict]] = {}
-    for r in scheduled:  # in expected start order (flow_runs)
-        by_date.setdefault(r["expected_start_time"][:10], []).append(r)
-    return next(((runs[0], runs[1]) for runs in by_date.values() if len(runs) >= 2), None)
 
 
 @pytest.fixture(scope="module")

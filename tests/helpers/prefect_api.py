@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from datetime import datetime, timezone
 from pathlib import Path
 
 from tests.helpers.tiny import REPO
@@ -77,3 +78,40 @@ def prefect(env: dict, *args: str, timeout: float = 120) -> subprocess.Completed
     return subprocess.run(
         [str(BIN / "prefect"), *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
+
+
+# -- flow runs of a deployment (`d`: {"env": its Prefect environment, "id": its id}) -----------------------------------
+TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def flow_runs(d: dict, state_types: list[str] | None = None) -> list[dict]:
+    body = {"flow_runs": {"deployment_id": {"any_": [d["id"]]}}, "sort": "EXPECTED_START_TIME_ASC"}
+    if state_types:
+        body["flow_runs"]["state"] = {"type": {"any_": state_types}}
+    return api(d["env"], "/flow_runs/filter", body)
+
+
+def run_scheduled(d: dict, run: dict) -> dict:
+    """A run the scheduler created, moved to now, run by the worker: its final flow run."""
+    now = datetime.now(timezone.utc).isoformat()
+    api(
+        d["env"],
+        f"/flow_runs/{run['id']}/set_state",
+        {"state": {"type": "SCHEDULED", "name": "Scheduled", "state_details": {"scheduled_time": now}}, "force": True},
+    )
+    return wait_until(
+        lambda: (fr := api(d["env"], f"/flow_runs/{run['id']}"))["state"]["type"] in TERMINAL and fr,
+        1200,
+        "the scheduled run did not finish",
+        interval=5,
+    )
+
+
+def night_pair(scheduled: list[dict]) -> tuple[dict, dict] | None:
+    """The first date with two scheduled runs (a deployment with two nightly crons): (its first run, its second); None
+    while there is none. Not simply the earliest run: between the two cron times today's first night is past, so the
+    earliest scheduled run is today's second night, whose date has no other."""
+    by_date: dict[str, list[dict]] = {}
+    for r in scheduled:  # in expected start order (flow_runs)
+        by_date.setdefault(r["expected_start_time"][:10], []).append(r)
+    return next(((runs[0], runs[1]) for runs in by_date.values() if len(runs) >= 2), None)
