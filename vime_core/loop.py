@@ -227,8 +227,8 @@ def start_actors(a: Actors, cfg: RunConfig, p: Prepared, init_checkpoint: Path |
     )
     # colocated GPUs: the trainers allocate only once the engines have sized their KV caches and gone to sleep
     timeout = max(cfg.rollout.timeout_s, cfg.train.timeout_s)
-    wait_ready(a.trainer.actors, a.router.engines, timeout, placement.colocated_gpu, a.sync.release_engines)
-    log.info("trainer and engines ready in %.1fs", time.perf_counter() - t_start)
+    parts = wait_ready(a.trainer.actors, a.router.engines, timeout, placement.colocated_gpu, a.sync.release_engines)
+    log.info("trainer and engines ready in %.1fs (%s)", time.perf_counter() - t_start, parts)
     if kv_warning := kv_cache_shortfall(cfg, a.router.call_all("info"), p.platform):
         log.warning(kv_warning)
 

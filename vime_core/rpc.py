@@ -96,8 +96,9 @@ def call_all(
     return gather(refs, [f"{kind} {i}" for i in range(len(refs))], method, timeout_s, setting)
 
 
-def wait_started(pending: dict, timeout_s: float | None) -> None:
-    """Wait for the actor start calls `pending` (ref -> who, e.g. "vLLM engine 0"); one that does not finish within
+def wait_started(pending: dict, timeout_s: float | None) -> dict[str, Any]:
+    """Wait for the actor start calls `pending` (ref -> who, e.g. "vLLM engine 0"), returning who -> what its call
+    returned; one that does not finish within
     `timeout_s` raises ActorTimeoutError, one that fails raises naming the actor: a user error inside it (a bad model
     file, a config the engine refuses) as ClusterError (exit 2, not retried), anything else (an OOM-killed actor, a
     crash: a retry may pass it) as RuntimeError."""
@@ -111,13 +112,15 @@ def wait_started(pending: dict, timeout_s: float | None) -> None:
                 f"{', '.join(pending[r] for r in late)} did not start within {timeout_s:g} s "
                 f"(rollout.timeout_s / train.timeout_s); see the actor's log above"
             )
+    answers = {}
     for ref, who in pending.items():
         try:
-            ray.get(ref)
+            answers[who] = ray.get(ref)
         except Exception as e:
             if isinstance(getattr(e, "cause", None), VimeError) or isinstance(e, VimeError):
                 raise ClusterError(f"{who} failed to start: {e}") from e
             raise RuntimeError(f"{who} failed to start: {e}") from e
+    return answers
 
 
 def wait_ready(
@@ -126,8 +129,9 @@ def wait_ready(
     timeout_s: float | None = None,
     engines_first: bool = False,
     before_trainers: Callable[[], object] = lambda: None,
-):
-    """Wait for trainers and engines to start (concurrently); a failure names the actor that failed.
+) -> str:
+    """Wait for trainers and engines to start (concurrently); a failure names the actor that failed. Returns where
+    the start's time went, for the log (`start_parts`): a GPU start takes minutes, and the parts say which to cut.
 
     `engines_first` (colocated GPUs, `Placement.colocated_gpu`; the trainers were made with `defer_start`): the
     trainers' GPU work (`Trainer.start`) begins once every engine is up. vLLM sizes its KV cache from the whole
@@ -136,9 +140,26 @@ def wait_ready(
     samples preempted. slime, too, creates its rollout engines first; the trainers' processes and imports still
     overlap their start. `before_trainers` runs in between: sleeping engines go to sleep (Qwen3-8B's 30 GiB gradient
     buffer did not fit beside an awake 84 GiB engine on one H200)."""
+    t0 = time.perf_counter()
     engine_refs = {e.ready.remote(): f"vLLM engine {i}" for i, e in enumerate(engines)}
+    marks, answers = [], {}
     if engines_first:
-        wait_started(engine_refs, timeout_s)
+        answers = wait_started(engine_refs, timeout_s)
+        marks.append(("engines up", time.perf_counter() - t0))
         engine_refs = {}
         before_trainers()
-    wait_started({a.start.remote(): f"trainer rank {i}" for i, a in enumerate(trainers)} | engine_refs, timeout_s)
+        marks.append(("asleep", time.perf_counter() - t0))
+    answers |= wait_started(
+        {a.start.remote(): f"trainer rank {i}" for i, a in enumerate(trainers)} | engine_refs, timeout_s
+    )
+    marks.append(("all up", time.perf_counter() - t0))
+    llm_s = [v for who, v in answers.items() if who.startswith("vLLM engine") and isinstance(v, (int, float))]
+    return start_parts(marks, max(llm_s) if llm_s else None)
+
+
+def start_parts(marks: list[tuple[str, float]], llm_s: float | None) -> str:
+    """Each mark's time since the actors were asked to start, and the slowest engine's `LLM()`: e.g. "engines up at
+    80.1 s, asleep at 81.3 s, all up at 139.0 s; vLLM's LLM() 61.0 s". What LLM() leaves of the engines' part is
+    their processes' start and imports."""
+    text = ", ".join(f"{name} at {at:.1f} s" for name, at in marks)
+    return text if llm_s is None else f"{text}; vLLM's LLM() {llm_s:.1f} s"

@@ -159,15 +159,28 @@ def test_colocated_trainers_start_only_once_the_engines_are_up(monkeypatch):
 
     def get(ref):
         events.append(f"got {ref.name}")
+        return {"engine 0": 3.0, "engine 1": 4.25}.get(ref.name, {"rank": 0})  # ready(): LLM()'s s; start(): info
 
     monkeypatch.setitem(sys.modules, "ray", SimpleNamespace(get=get))
     trainers = [SimpleNamespace(start=Call(f"trainer {i}")) for i in range(2)]
     engines = [SimpleNamespace(ready=Call(f"engine {i}")) for i in range(2)]
-    wait_ready(trainers, engines, None, engines_first=True, before_trainers=lambda: events.append("engines sleep"))
+    parts = wait_ready(trainers, engines, None, True, before_trainers=lambda: events.append("engines sleep"))
+    assert [p.split(" at ")[0] for p in parts.split(", ")] == ["engines up", "asleep", "all up"], parts
+    assert parts.endswith("; vLLM's LLM() 4.2 s"), parts  # the slowest engine's
     last_engine = max(events.index(f"got engine {i}") for i in range(2))
     # sleeping engines go to sleep between their start and the trainers' (Qwen3-8B: the trainer's build needs it)
     assert last_engine < events.index("engines sleep") < min(events.index(f"call trainer {i}") for i in range(2))
     events.clear()
-    wait_ready(trainers, engines, None, before_trainers=lambda: events.append("engines sleep"))
+    assert wait_ready(trainers, engines, None, before_trainers=lambda: events.append("engines sleep")).startswith(
+        "all up"
+    )
     assert max(events.index(f"call trainer {i}") for i in range(2)) < events.index("got engine 0"), events
     assert "engines sleep" not in events  # apart (not colocated), nothing waits and nothing sleeps
+
+
+def test_the_start_parts_name_each_mark_and_the_slowest_engines_llm_init():
+    from vime_core.rpc import start_parts
+
+    marks = [("engines up", 80.06), ("asleep", 81.3), ("all up", 139.0)]
+    assert start_parts(marks, 61.04) == "engines up at 80.1 s, asleep at 81.3 s, all up at 139.0 s; vLLM's LLM() 61.0 s"
+    assert start_parts(marks[2:], None) == "all up at 139.0 s"
