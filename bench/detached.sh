@@ -4,6 +4,8 @@
 # so the last call must still be polling when the runs end).
 #   bench/detached.sh start "--shape 1.7b --only build,loop" "--shape 4b --steps 2 --only build,loop" ...
 #   bench/detached.sh poll SECONDS   # result files, progress and log tails to $OUT every 20 s; returns once all ran
+# Poll in calls of a few minutes (~240 s), not one long one: a call's files come back only when it returns, and a
+# machine taken back mid-call returns nothing of that call.
 # Every phase gets a 600 s watchdog; a line's own --phase-timeout-s wins (argparse keeps the last): 8B's loop needs
 # ~720 s for 3 steps (start 140 s, then ~130 s a step), so pass "--phase-timeout-s 900" on its line.
 # The runs work from a copy of the checkout (a device call replaces the checkout it runs in) and write under $ROOT.
