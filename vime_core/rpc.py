@@ -97,11 +97,10 @@ def call_all(
 
 
 def wait_started(pending: dict, timeout_s: float | None) -> dict[str, Any]:
-    """Wait for the actor start calls `pending` (ref -> who, e.g. "vLLM engine 0"), returning who -> what its call
-    returned; one that does not finish within
-    `timeout_s` raises ActorTimeoutError, one that fails raises naming the actor: a user error inside it (a bad model
-    file, a config the engine refuses) as ClusterError (exit 2, not retried), anything else (an OOM-killed actor, a
-    crash: a retry may pass it) as RuntimeError."""
+    """Wait for the actor start calls `pending` (ref -> who, e.g. "vLLM engine 0"); returns who -> what its call
+    returned. One that does not finish within `timeout_s` raises ActorTimeoutError, one that fails raises naming the
+    actor: a user error inside it (a bad model file, a config the engine refuses) as ClusterError (exit 2, not
+    retried), anything else (an OOM-killed actor, a crash: a retry may pass it) as RuntimeError."""
     import ray
 
     refs = list(pending)
