@@ -141,6 +141,7 @@ def wait_ready(
     buffer did not fit beside an awake 84 GiB engine on one H200)."""
     t0 = time.perf_counter()
     engine_refs = {e.ready.remote(): f"vLLM engine {i}" for i, e in enumerate(engines)}
+    engine_names = list(engine_refs.values())  # each one's ready() answers its LLM()'s seconds
     marks, answers = [], {}
     if engines_first:
         answers = wait_started(engine_refs, timeout_s)
@@ -148,12 +149,10 @@ def wait_ready(
         engine_refs = {}
         before_trainers()
         marks.append(("asleep", time.perf_counter() - t0))
-    answers |= wait_started(
-        {a.start.remote(): f"trainer rank {i}" for i, a in enumerate(trainers)} | engine_refs, timeout_s
-    )
+    trainer_refs = {a.start.remote(): f"trainer rank {i}" for i, a in enumerate(trainers)}
+    answers |= wait_started(trainer_refs | engine_refs, timeout_s)
     marks.append(("all up", time.perf_counter() - t0))
-    llm_s = [v for who, v in answers.items() if who.startswith("vLLM engine") and isinstance(v, (int, float))]
-    return start_parts(marks, max(llm_s) if llm_s else None)
+    return start_parts(marks, max((answers[name] for name in engine_names), default=None))
 
 
 def start_parts(marks: list[tuple[str, float]], llm_s: float | None) -> str:
