@@ -35,4 +35,8 @@ def test_experts_split_over_two_ranks_train_as_replicated_ones(moe_model_dir, re
     w1, w2 = runs[1][0]["weights"], runs[2][0]["weights"]
     assert sorted(w1) == sorted(w2) and runs[2][1]["weights"].keys() == w2.keys()
     worst = max(max(abs(a - b) for a, b in zip(w1[k], w2[k])) for k in w1)
-    assert worst <= 1e-6, worst
+    # a tenth of one Adam step (lr 1e-4): EP 2 sums each expert's weight gradient over both ranks' tokens in one
+    # GEMM, EP 1 per rank and then over DP, and Adam divides by sqrt(v), so a gradient near zero carries that fp32
+    # summation-order noise into its weight at full size (measured worst 2.6e-7 to 1.4e-6). A routing, padding or
+    # expert-placement error moves weights by whole steps.
+    assert worst <= 1e-5, worst
