@@ -15,7 +15,8 @@ a watchdog that kills the child's process tree, Ray and vLLM included):
          Cached in --cache, skipped when present.
   loop   `vime_core.loop.run`: colocated, bf16, megatron optimizer, default settings otherwise, one optimizer step per
          rollout (global batch = prompts x samples); per-step metrics from a MemorySink. MoE: grouped experts.
-  loop_sequential, loop_r3  (MoE) the loop with SequentialMLP experts / with R3 routing replay (MOE_LOOP_PHASES).
+  loop_sequential, loop_r3, loop_alltoall  (MoE) the loop with SequentialMLP experts / with R3 routing replay / with
+         megatron's alltoall token dispatcher instead of allgather (MOE_LOOP_PHASES).
   vllm   raw vLLM on the same checkpoint, prompts (the loop's data buffer order), SamplingParams (same seeds, max
          tokens, processed log-probs), gpu_memory_utilization and max_model_len; no sleep mode, no Ray.
   vllm_sleep  (diagnostic, not in the default --only) raw vLLM as the loop's engine runs: sleep mode on, asleep and
@@ -70,14 +71,16 @@ from gpu_scale_report import (  # noqa: E402
 )
 
 HF_MICRO_BATCH_TOKENS = 9216  # vime's --max-tokens-per-gpu; the HF baseline uses the same budget
-PHASES = ("build", "loop", "loop_sequential", "loop_r3", "vllm", "vllm_sleep", "hf", "hf_eager", "hf_detached")
-MOE_PHASES = ("loop_sequential", "loop_r3", "hf_eager")  # variants of the MoE layers only
+LOOPS = ("loop", "loop_sequential", "loop_r3", "loop_alltoall")
+PHASES = ("build", *LOOPS, "vllm", "vllm_sleep", "hf", "hf_eager", "hf_detached")
+MOE_PHASES = ("loop_sequential", "loop_r3", "loop_alltoall", "hf_eager")  # variants of the MoE layers only
 # watchdog per phase (s); every phase is also capped by what is left of --deadline-s
 PHASE_TIMEOUT = {
     "build": 240,
     "loop": 560,
     "loop_sequential": 560,
     "loop_r3": 560,
+    "loop_alltoall": 560,
     "vllm": 420,
     "vllm_sleep": 420,
     "hf": 300,
@@ -123,9 +126,7 @@ def child_main(args) -> int:
     partial = Path(args.child_out)
     ph = phases()
     fn = {
-        "loop": ph.loop_phase,
-        "loop_sequential": functools.partial(ph.loop_phase, phase="loop_sequential"),
-        "loop_r3": functools.partial(ph.loop_phase, phase="loop_r3"),
+        **{name: functools.partial(ph.loop_phase, phase=name) for name in LOOPS},
         "vllm": ph.vllm_phase,
         "vllm_sleep": functools.partial(ph.vllm_phase, sleep_mode=True),
         **{name: functools.partial(ph.hf_phase, **kw) for name, kw in ph.HF_VARIANTS.items()},
@@ -297,7 +298,8 @@ def print_summary(doc: dict) -> None:
         e = lambda v: "-" if v is None else f"{v:.1e}"  # noqa: E731
         print(
             f"[gpu_scale] moe: SequentialMLP {f(doc['sequential_mlp_tok_s'])} tok/s (trainer "
-            f"{f(r.get('trainer_vs_sequential_mlp'), 2)}x) | HF {doc['hf_experts_implementation'] or '-'} "
+            f"{f(r.get('trainer_vs_sequential_mlp'), 2)}x) | alltoall {f(doc['alltoall_tok_s'])} tok/s "
+            f"({f(r.get('alltoall_vs_allgather'), 2)}x allgather) | HF {doc['hf_experts_implementation'] or '-'} "
             f"{f(doc['hf_tok_s'])}, eager {f(doc['hf_eager_tok_s'])} tok/s | mfu_active {f(doc['mfu_active'], 3)} | "
             f"logprob diff R3 {e(doc['logprob_abs_diff_r3'])} vs {e(doc['logprob_abs_diff_no_r3'])} (same samples "
             f"without replay {e(doc['logprob_abs_diff_no_r3_same_samples'])}) | routing agreement "

@@ -23,12 +23,15 @@ MOE_ONE_GPU = [
 ]
 MOE_CUDA = ["rollout.gpu_memory_utilization=0.5"]  # the default, said here because the 8-GPU file sets 0.25
 # What each loop phase of an MoE shape measures, set after --set so that a phase means one thing: `loop` the grouped
-# experts (train.moe_grouped_gemm's `auto` resolves to them for Qwen3-MoE), `loop_sequential` megatron's SequentialMLP
-# (a Python loop over experts), `loop_r3` the grouped experts with vLLM's routing replayed in the trainer (R3)
+# experts (train.moe_grouped_gemm's `auto` resolves to them for Qwen3-MoE) behind the allgather token dispatcher,
+# `loop_sequential` megatron's SequentialMLP (a Python loop over experts), `loop_r3` the grouped experts with vLLM's
+# routing replayed in the trainer (R3), `loop_alltoall` the grouped experts behind the alltoall dispatcher
+ALLGATHER = "train.moe_token_dispatcher=allgather"
 MOE_LOOP_PHASES = {
-    "loop": ["train.moe_grouped_gemm=true"],
-    "loop_sequential": ["train.moe_grouped_gemm=false"],
-    "loop_r3": ["train.moe_grouped_gemm=true", "rollout.routing_replay=true"],
+    "loop": ["train.moe_grouped_gemm=true", ALLGATHER],
+    "loop_sequential": ["train.moe_grouped_gemm=false", ALLGATHER],
+    "loop_r3": ["train.moe_grouped_gemm=true", ALLGATHER, "rollout.routing_replay=true"],
+    "loop_alltoall": ["train.moe_grouped_gemm=true", "train.moe_token_dispatcher=alltoall"],
 }
 
 

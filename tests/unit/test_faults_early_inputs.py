@@ -112,3 +112,8 @@ def test_no_note_for_the_default_run(tmp_path, caplog):
 def test_prepare_refuses_routing_replay_where_auto_resolves_to_cpu(tmp_path):
     e = prepare_error(tiny_config(tmp_path, "cluster.platform=auto", "rollout.routing_replay=true"))
     assert "rollout.routing_replay = true needs vLLM's routed experts" in str(e) and "cpu platform" in str(e)
+
+
+def test_prepare_refuses_the_alltoall_dispatcher_where_auto_resolves_to_cpu(tmp_path):
+    e = prepare_error(tiny_config(tmp_path, "cluster.platform=auto", "train.moe_token_dispatcher=alltoall"))
+    assert str(e).startswith("train.moe_token_dispatcher = alltoall needs a GPU platform") and "cpu platform" in str(e)

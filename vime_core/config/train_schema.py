@@ -39,6 +39,18 @@ class TrainConfig(Section):
             "optimizer state is saved per parameter, and the two hold different parameters."
         ),
     ] = "auto"
+    moe_token_dispatcher: Annotated[
+        Literal["allgather", "alltoall"],
+        FREE,
+        Field(
+            description="How an MoE layer hands its tokens to the experts (megatron's token dispatcher). "
+            "`allgather`: every rank of the TP x EP group gathers all tokens and keeps those routed to its own "
+            "experts; runs on every platform. `alltoall`: each token goes only to the ranks holding its experts "
+            "(megatron's recommended dispatcher at EP > 1); needs a GPU platform, since megatron builds a CUDA "
+            "stream for it. Same values either way, so a resume may switch; at EP = 1 both permute locally "
+            "(speed: bench/gpu_scale.py's loop_alltoall phase)."
+        ),
+    ] = "allgather"
     global_batch_size: Annotated[int, FIXED, Field(ge=1, description="Samples per optimizer step.")] = 256
     timeout_s: Annotated[
         int,

@@ -147,6 +147,7 @@ class Trainer:
             recompute=resolve_recompute(t.recompute, self.platform),
             grouped_gemm=resolve_grouped_gemm(t.moe_grouped_gemm, arch, self.cfg.model.dtype, t.tensor_parallel_size),
             routing_replay=self.cfg.rollout.routing_replay,
+            dispatcher=t.moe_token_dispatcher,
         )
         need_ref = self.cfg.grpo.kl_loss_coef > 0
         # a converted checkpoint replaces every policy weight: read the HF files only when something uses them
