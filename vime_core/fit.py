@@ -15,8 +15,8 @@ The rule, per device:
   false) and (b) vLLM's share (rollout.gpu_memory_utilization of the device) beside what the trainer keeps while
   vLLM generates (its weights, plus its optimizer state unless train.offload_optimizer moves it to the host);
 - the host holds the offloaded optimizer state of every trainer rank on the node, at sleep level 1 each engine's
-  weights, and while a checkpoint is saved a copy of every rank's weights (megatron's torch_dist writer stages them
-  in host memory before it writes, pageable and exact-sized: `checkpoint.torch_dist.pageable_staging`);
+  weights, and while a checkpoint is saved each rank's host copies of the tensors being written (per file being
+  written, one tensor and the one before it until it is dropped: `checkpoint.torch_dist.streamed_writes`);
   HOST_RESERVE_GIB stays for the processes themselves (vLLM, Ray, Python, CUDA), and the whole must stay under Ray's
   memory monitor, which kills the largest worker above RAY_MEMORY_THRESHOLD of the host (Qwen3-8B on one H200 at 75%
   offload: the trainer was killed at 114 GB while saving).
@@ -89,11 +89,15 @@ def trainer_static(cfg: RunConfig, params: int, platform: str, experts: int = 0)
     }
 
 
+SAVE_FILES_AT_ONCE = 2  # megatron's torch_dist save writes a rank's tensors into two files (its thread_count)
+
+
 def staging_bytes(numels: list[int], dtype: str) -> float:
-    """Host bytes of a checkpoint save's copy of one rank's weight tensors (`numels`, ModelSpec.
-    tensor_numels_per_device): exact, since the save stages them in pageable memory (pinned, torch would round each
-    up to a power of two: 15.3 GiB of Qwen3-8B's bf16 weights in ~21.5 GiB)."""
-    return float(DTYPE_BYTES[dtype] * sum(numels))
+    """Host bytes a checkpoint save holds at once for one rank's weight tensors (`numels`, ModelSpec.
+    tensor_numels_per_device): the save copies each tensor as it writes it, and each file being written holds the
+    tensor it writes and, until it is dropped, the one before; so at most the four largest (Qwen3-8B in bf16: 2.7 GiB,
+    its embedding, LM head and two MLP weights, where staging every tensor took 15.3 GiB)."""
+    return float(DTYPE_BYTES[dtype] * sum(sorted(numels)[-2 * SAVE_FILES_AT_ONCE :]))
 
 
 def activation_floor(cfg: RunConfig, arch: Any) -> float:

@@ -7,6 +7,7 @@ import contextlib
 import json
 import queue as queue_mod
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -23,44 +24,84 @@ class ConversionError(VimeError, RuntimeError):
 
 
 def save_torch_dist(sharded_state_dict: dict, out_dir: str | Path) -> None:
-    """`dist_checkpointing.save` (synchronous, collective), without the process megatron starts for it, and staging
-    the device tensors in pageable host memory (`pageable_staging`).
+    """`dist_checkpointing.save` (synchronous, collective), written by this process tensor by tensor
+    (`streamed_writes`), without the process megatron starts for its results.
 
     megatron's torch_dist writer reports its results through a `multiprocessing.Manager().Queue()` made with the
     *spawn* context on a process's first save: a fresh Python that imports torch, 1.5 s of the first save of the
     tiny model on this 2-core box (0.07 s for later ones; 0.10 s every time with the queue below). A synchronous save
-    writes (in forked workers) and collects the results in this process, so an in-process queue carries them as
-    well; the files and their fsyncs are megatron's own. Never use this for megatron's async save."""
+    collects the results in this process, so an in-process queue carries them as well; the files and their fsyncs are
+    megatron's own. Never use this for megatron's async save."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", "absent") is None:  # megatron-core 0.16: created on first use
         filesystem_async._results_queue = queue_mod.Queue()
-    with pageable_staging():
+    with streamed_writes():
         dist_checkpointing.save(sharded_state_dict, str(out_dir))
 
 
 @contextlib.contextmanager
-def pageable_staging():
-    """Within: megatron's torch_dist writer copies device tensors to pageable host memory, not pinned.
+def streamed_writes():
+    """Within: megatron's torch_dist writer copies each device tensor to host memory as it writes it, in this process,
+    so that a save holds a few tensors' host copies at a time (`vime_core.fit.staging_bytes`) instead of every weight
+    of the rank.
 
-    Its `preload_tensors` stages every tensor with `.to("cpu", non_blocking=True)`, which torch serves from its pinned
-    host allocator: each tensor rounded up to a power of two (Qwen3-8B's 15.3 GiB of bf16 weights took ~21.5 GiB,
-    the run's host peak, at the line Ray's memory monitor kills above), and the blocks stay cached in the process
-    after the save. A synchronous save gains nothing from an asynchronous copy, and a pageable one is exact-sized and
-    returned when the save ends."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    megatron stages all of a rank's tensors first (`preload_tensors`), then writes its files in forked workers, which
+    cannot read device memory. Qwen3-8B's final save raised the host by its 15.3 GiB of bf16 weights (~21.5 GiB in
+    torch's pinned blocks, each rounded up to a power of two): the run's host peak, near the line where Ray's memory
+    monitor kills. A synchronous save gains nothing from staging ahead: it waits for the writes either way. Here the
+    staging step hands the writer lazy copies (`HostCopies`), and megatron's own per-file writer writes each file in
+    a thread of this process."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync as Writer
 
-    original = FileSystemWriterAsync.preload_tensors
-
-    def pageable(write_buckets, non_blocking=True):
-        return original(write_buckets, non_blocking=False)
-
-    FileSystemWriterAsync.preload_tensors = staticmethod(pageable)
+    preload, write = Writer.preload_tensors, Writer.write_preloaded_data_multiproc
+    Writer.preload_tensors = staticmethod(defer_host_copies)
+    Writer.write_preloaded_data_multiproc = staticmethod(write_in_process)
     try:
         yield
     finally:
-        FileSystemWriterAsync.preload_tensors = staticmethod(original)
+        Writer.preload_tensors, Writer.write_preloaded_data_multiproc = staticmethod(preload), staticmethod(write)
+
+
+class HostCopies:
+    """A write bucket's (item, tensor) pairs, each tensor copied to pageable host memory when the writer reaches it
+    (a no-op for host tensors). Pageable: torch's pinned allocator would round each copy up to a power of two and keep
+    the blocks cached after the save."""
+
+    def __init__(self, pairs: list):
+        self.pairs = pairs
+
+    def __iter__(self):
+        for item, tensor in self.pairs:
+            yield item, tensor.to("cpu")
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+
+def defer_host_copies(write_buckets: list, non_blocking: bool = True) -> list:
+    """`preload_tensors`' place: the buckets with their tensors left where they are, copied as they are written."""
+    return [(name, key, (data, HostCopies(tensors))) for name, key, (data, tensors) in write_buckets]
+
+
+def write_in_process(transform_list: list, use_msc: bool, rank: int, write_buckets: list, results) -> None:
+    """`write_preloaded_data_multiproc`'s place: megatron's per-file writer for each bucket (file), one thread each, in
+    this process (which can read the device tensors); puts the same `{bucket index: write results}` (or the first
+    exception) on `results`. Threads, as megatron's processes, so that one file's copies overlap another's writes."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync as Writer
+
+    def write(i: int, bucket) -> object:
+        local, done = queue_mod.Queue(), queue_mod.Queue()
+        done.put(i)  # the per-file writer takes and acknowledges one token, as it does from megatron's count queue
+        kwargs = {"use_msc": use_msc} if use_msc else {}
+        Writer.write_preloaded_data(transform_list, i, bucket, local, done, True, **kwargs)
+        return local.get_nowait()[1]
+
+    with ThreadPoolExecutor(max_workers=max(1, len(write_buckets))) as pool:
+        outcomes = list(pool.map(write, range(len(write_buckets)), write_buckets))
+    failed = [o for o in outcomes if isinstance(o, Exception)]
+    results.put(failed[0] if failed else dict(enumerate(outcomes)))
 
 
 def write_torch_dist_meta(
