@@ -125,7 +125,7 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
     allocator on, and asleep (level 1) then awake between steps, still without Ray, a trainer or weight loads."""
     from vime_core.kv_cache import kv_cache_tokens
     from vime_core.platform import apply_offline_env
-    from vime_core.rollout import request_seed, sampling_spec
+    from vime_core.router import request_seed, sampling_spec
 
     if sleep_mode and args.device == "cpu":
         return {"steps": [], "skipped": "vLLM's sleep mode needs a GPU"}

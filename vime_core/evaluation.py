@@ -13,7 +13,8 @@ from pathlib import Path
 from vime_core.algo import pass_at_k
 from vime_core.data import PromptSet
 from vime_core.prepare import prepare
-from vime_core.rollout import GroupRequest, RolloutRouter, SamplingSpec, request_seed
+from vime_core.rollout import GroupRequest, SamplingSpec
+from vime_core.router import RolloutRouter, request_seed
 
 
 def eval_spec(cfg) -> SamplingSpec:

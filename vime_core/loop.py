@@ -204,7 +204,7 @@ def start_actors(a: Actors, cfg: RunConfig, p: Prepared, init_checkpoint: Path |
     """Trainer ranks and vLLM engines on one placement, ready, with the weight sync between them."""
     from vime_core.cluster import create_engines, create_trainers, make_placement
     from vime_core.kv_cache import kv_cache_shortfall
-    from vime_core.rollout import RolloutRouter
+    from vime_core.router import RolloutRouter
     from vime_core.rpc import wait_ready
     from vime_core.sync import WeightSync, resolve_strategy
     from vime_core.trainer import TrainerGroup
@@ -285,7 +285,7 @@ def rollout_step(
     rollout_id: int, version: int, cfg: RunConfig, buffer: DataBuffer, router, p: Prepared
 ) -> FinishedRollout:
     """One rollout (on the engines holding policy `version`); every sample records that version."""
-    from vime_core.rollout import collect_rollout
+    from vime_core.router import collect_rollout
 
     groups, metrics, consumed = collect_rollout(rollout_id, cfg, buffer, router, p.reward_model)
     for g in groups:

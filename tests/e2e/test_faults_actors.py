@@ -55,7 +55,8 @@ def actors(*hangs: float) -> list:
 
 
 def test_a_hung_engine_is_named_with_what_it_was_doing(local_ray):
-    from vime_core.rollout import GroupRequest, RolloutRouter, SamplingSpec
+    from vime_core.rollout import GroupRequest, SamplingSpec
+    from vime_core.router import RolloutRouter
     from vime_core.sample import Sample
 
     router = RolloutRouter(actors(0.0, 60.0), timeout_s=2)
@@ -70,7 +71,7 @@ def test_a_hung_engine_is_named_with_what_it_was_doing(local_ray):
 
 
 def test_a_hung_engine_during_a_weight_sync_names_sync_timeout(local_ray):
-    from vime_core.rollout import RolloutRouter
+    from vime_core.router import RolloutRouter
     from vime_core.sync import WeightSync
 
     sync = WeightSync(None, RolloutRouter(actors(60.0), timeout_s=1800), "cpu", engines_sleep=True, timeout_s=1)

@@ -14,14 +14,8 @@ from vime_core.data import DataBuffer, Prompt, PromptSet
 from vime_core.kv_cache import kv_cache_shortfall
 from vime_core.cli import user_error_exit
 from vime_core.generate_hook import CustomGenerateError
-from vime_core.rollout import (
-    GenerateContext,
-    Generation,
-    SamplingSpec,
-    assign_groups,
-    collect_rollout,
-    request_seed,
-)
+from vime_core.rollout import GenerateContext, Generation, SamplingSpec
+from vime_core.router import assign_groups, collect_rollout, request_seed
 from vime_core.sample import Sample
 
 
@@ -303,14 +297,16 @@ def test_custom_generate_aligned_masks_pass_unchanged(monkeypatch):
 
 # ---- eval timeout ---------------------------------------------------------------------------------------------------
 def test_eval_generate_calls_are_bounded_by_eval_timeout_s(tmp_path, monkeypatch):
-    import vime_core.rollout as rollout
-    from vime_core.rollout import RolloutRouter
+    import vime_core.router as router_module
+    from vime_core.router import RolloutRouter
 
     cfg = tiny_config(tmp_path, "eval.timeout_s=123")
     assert tiny_config(tmp_path).eval.timeout_s == 7200
     seen = []
     monkeypatch.setattr(
-        rollout, "gather", lambda refs, who, doing, timeout_s, setting, stall: seen.append((timeout_s, setting)) or []
+        router_module,
+        "gather",
+        lambda refs, who, doing, timeout_s, setting, stall: seen.append((timeout_s, setting)) or [],
     )
     engine = SimpleNamespace(generate=SimpleNamespace(remote=lambda reqs, spec, cold_cache: None))
     router = RolloutRouter([engine], cfg.rollout.timeout_s)
@@ -369,12 +365,13 @@ def test_an_engine_drops_its_prefix_cache_before_sampling_after_a_weights_op_or_
 
 
 def test_a_cold_cache_generate_resets_the_engines_given_no_group_too(monkeypatch):
-    import vime_core.rollout as rollout
-    from vime_core.rollout import GroupRequest, RolloutRouter
+    import vime_core.router as router_module
+    from vime_core.rollout import GroupRequest
+    from vime_core.router import RolloutRouter
 
     calls = []
     monkeypatch.setattr(
-        rollout, "gather", lambda refs, who, doing, timeout_s, setting, stall: (calls.append(who), refs)[1]
+        router_module, "gather", lambda refs, who, doing, timeout_s, setting, stall: (calls.append(who), refs)[1]
     )
 
     def engine(i):
