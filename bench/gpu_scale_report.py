@@ -331,17 +331,18 @@ def moe_summary(doc: dict, s: dict) -> dict:
     grouped_mm and eager experts) and the active-parameter MFU, each a median over steps after the first."""
     col = lambda name, key: column(doc, name, key)  # noqa: E731
     trainer = col("loop", "perf/actor_train_tok_per_s")
+
+    def beside_loop(phase: str, key: str = "perf/actor_train_tok_per_s") -> float | None:
+        """`phase`'s tok/s over the steps the loop ran too (matched_steps), median after the first."""
+        return median_after_first(matched_steps(trainer, col(phase, key))[1])
+
     return {
-        "sequential_mlp_tok_s": median_after_first(
-            matched_steps(trainer, col("loop_sequential", "perf/actor_train_tok_per_s"))[1]
-        ),
-        "alltoall_tok_s": median_after_first(
-            matched_steps(trainer, col("loop_alltoall", "perf/actor_train_tok_per_s"))[1]
-        ),
+        "sequential_mlp_tok_s": beside_loop("loop_sequential"),
+        "alltoall_tok_s": beside_loop("loop_alltoall"),
         # the same forward math behind another dispatcher: this diff should match logprob_abs_diff
         "logprob_abs_diff_alltoall": median_after_first(col("loop_alltoall", LOGPROB_DIFF)),
         "hf_tok_s": s["hf_sdpa_tok_s"],
-        "hf_eager_tok_s": median_after_first(matched_steps(trainer, col("hf_eager", "tok_s"))[1]),
+        "hf_eager_tok_s": beside_loop("hf_eager", "tok_s"),
         "hf_experts_implementation": doc.get("phases", {}).get("hf", {}).get("experts_implementation"),
         "mfu_active": s["mfu"],  # the loop's MFU: an MoE's model FLOPs count its active parameters (flop_params)
         "logprob_abs_diff_r3": median_after_first(col("loop_r3", LOGPROB_DIFF)),
