@@ -94,8 +94,7 @@ def write_in_process(transform_list: list, use_msc: bool, rank: int, write_bucke
     def write(i: int, bucket) -> object:
         local, done = queue_mod.Queue(), queue_mod.Queue()
         done.put(i)  # the per-file writer takes and acknowledges one token, as it does from megatron's count queue
-        kwargs = {"use_msc": use_msc} if use_msc else {}
-        Writer.write_preloaded_data(transform_list, i, bucket, local, done, True, **kwargs)
+        Writer.write_preloaded_data(transform_list, i, bucket, local, done, True, use_msc=use_msc)
         return local.get_nowait()[1]
 
     with ThreadPoolExecutor(max_workers=max(1, len(write_buckets))) as pool:
