@@ -1,6 +1,6 @@
 """A night on a team's MLflow tracking server, and a teammate who loads its champion on another machine.
 
-A real `mlflow server --artifacts-destination <folder>` on 127.0.0.1, down for 60 s when the night starts and 60 s
+A real `mlflow server --artifacts-destination <folder>` on 127.0.0.1, down for 30 s when the night starts and 30 s
 during its training (a team's server restart): the night completes anyway. The worker runs the nightly pipeline from
 its own directory; every artifact must reach the server's folder (nothing beside the worker's run). The "teammate" is
 another working directory with an empty vime cache and only the server's URI: it loads `models:/<name>@champion` with
@@ -26,6 +26,7 @@ from vime_core.ports import free_port
 
 BIN = Path(sys.executable).parent
 MODEL = "vime-tiny-cpu"  # registered_name of configs/tiny-cpu.yaml
+OUTAGE_S = 30  # each outage: longer than the 2 + 4 + 8 s of the first retries, so the 10 s rechecks run too
 EVAL = '[{name: arith-heldout, source: "builtin://arith?split=heldout&size=16"}]'
 
 
@@ -37,7 +38,7 @@ def run(args: list[str], cwd: Path, env: dict) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def night(tmp_path_factory):
-    """The server, and one nightly run (a night) of the worker against it, through two 60 s outages: the server is
+    """The server, and one nightly run (a night) of the worker against it, through two 30 s outages: the server is
     down when the night starts (its champion lookup retries) and again once training has started (the train task
     keeps the rows the server did not take and sends them when it is back). One night serves every test here: a
     second, outage-free night would only repeat the ~100 s of a pipeline run."""
@@ -64,11 +65,11 @@ def night(tmp_path_factory):
     server = None
     try:
         wait_for(lambda: "Retry 1/" in log.read_text(), proc, log)  # the champion lookup's first failed attempt
-        time.sleep(60)
+        time.sleep(OUTAGE_S)
         server = start_server(root, port)
         wait_for(lambda: any(p.stat().st_size for p in out.glob("nightly/*/metrics.jsonl")), proc, log)
         stop_server(server)  # training has started: its rows are kept meanwhile
-        time.sleep(60)
+        time.sleep(OUTAGE_S)
         server = start_server(root, port)
         assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
         yield {"uri": uri, "root": root, "worker": worker, "tmp": tmp, "log": log.read_text()}
@@ -80,7 +81,7 @@ def night(tmp_path_factory):
             stop_server(server)
 
 
-def test_a_night_completes_through_two_60_s_outages(night):
+def test_a_night_completes_through_two_30_s_outages(night):
     """The night registered, its train task kept rows during the second outage, and its MLflow run has every step."""
     from mlflow.tracking import MlflowClient
 

@@ -4,8 +4,8 @@ retries until it is back, and the metrics logged meanwhile reach the run when it
 A real `mlflow server` on 127.0.0.1 holds a champion; it is stopped, the lookup flow (tests/helpers/champion_lookup.py,
 Prefect ephemeral mode in its own process) starts, and the server is started again 20 s after the lookup's first
 failed attempt (longer than the 12 s after which the tracking tasks once gave up). The train task's sinks keep what
-they log while the server is down for 20 s and send it when it is back. The 60 s outage a team's server restart
-takes is the e2e night's (tests/e2e/test_team_server_e2e.py): the retries are the same list either way.
+they log while the server is down for 20 s and send it when it is back. The 30 s outages of a team server
+restarting are the e2e night's (tests/e2e/test_team_server_e2e.py): the retries are the same list either way.
 """
 
 from __future__ import annotations
