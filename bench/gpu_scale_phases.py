@@ -88,7 +88,8 @@ def loop_phase(args, model_dir: Path, partial: Path, phase: str = "loop") -> dic
     arch = json.loads((model_dir / "config.json").read_text())
     prompts = step_prompts(cfg, model_dir, args.steps)
     rec: dict = {"overrides": kept, "dropped_overrides": dropped, "steps": []}
-    passes = loop_passes(cfg.train.old_logprobs, cfg.num_steps_per_rollout, cfg.rollout.routing_replay)
+    every = cfg.rollout.routing_metrics_every if cfg.rollout.routing_replay else 0
+    passes = loop_passes(cfg.train.old_logprobs, cfg.num_steps_per_rollout, every)
     rec["mfu_passes"] = passes
     t0 = time.time()
 

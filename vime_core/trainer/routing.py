@@ -25,6 +25,13 @@ class RoutingReplayError(VimeError, ValueError):
     """A sample's routed experts do not fit the trainer's model; the message names the sample."""
 
 
+def measures_routing(rollout, rollout_id: int) -> bool:
+    """Whether this rollout's train phase runs R3's measurement forward (rollout.routing_metrics_every): on the
+    rollouts 0, N, 2N, ... so that a resumed run measures the same ones."""
+    every = rollout.routing_metrics_every
+    return rollout.routing_replay and every > 0 and rollout_id % every == 0
+
+
 def routers(model: torch.nn.Module) -> list:
     """The model's MoE routers that carry a RouterReplay, in layer order."""
     found = [m for m in model.modules() if getattr(m, "router_replay", None) is not None]

@@ -29,6 +29,7 @@ from vime_core.loss import (
 from vime_core.memory import to_device, train_step_memory
 from vime_core.metrics import ROUTING_METRICS
 from vime_core.trainer.batching import TrainSample, lockstep_pads, pack_micro_batches, pad_samples
+from vime_core.trainer.routing import measures_routing
 from vime_core.trainer.state import RankState
 
 
@@ -152,7 +153,7 @@ class StepRunner:
         t0 = time.perf_counter()
         self.st.model.eval()
         flat = [s for step in steps for s in step]
-        routing = self.routing_metrics(flat) if self.st.cfg.rollout.routing_replay else {}
+        routing = self.routing_metrics(flat) if measures_routing(self.st.cfg.rollout, rollout_id) else {}
         # the first optimizer step runs on the weights that are the old policy: its own forward gives its old
         # log-probs; only the later steps' samples need the no-grad pass (all of them with `forward`)
         first = len(steps[0]) if self.st.cfg.train.old_logprobs == "auto" else 0
