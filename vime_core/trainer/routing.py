@@ -28,8 +28,10 @@ class RoutingReplayError(VimeError, ValueError):
 def measures_routing(rollout, rollout_id: int) -> bool:
     """Whether this rollout's train phase runs R3's measurement forward (rollout.routing_metrics_every): on the
     rollouts 0, N, 2N, ... so that a resumed run measures the same ones."""
+    if not rollout.routing_replay:
+        return False
     every = rollout.routing_metrics_every
-    return rollout.routing_replay and every > 0 and rollout_id % every == 0
+    return every > 0 and rollout_id % every == 0
 
 
 def routers(model: torch.nn.Module) -> list:
