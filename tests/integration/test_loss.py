@@ -57,19 +57,32 @@ def test_trainer_dp2_matches_dp1(dense_model_dir):
     # not zero: the policy-gradient term of group-normalised advantages at ratio 1 sums to ~0 by construction, so the
     # loss is the KL term and the token weighting's imbalance, ~1e-4 for the builtin model (7.6e-5 for one build)
     assert abs(m1["train/loss"]) > 1e-6 and m1["train/grad_norm"] > 1e-4
-    # fp32 rounding differs with the micro-batch layout (~1e-7 here); the mean of the ranks' shares was m1 / 2
+    # the 2nd step starts from AdamW-updated weights, whose DP 1 / DP 2 rounding differences AdamW's normalised first
+    # update amplifies: 0.6e-3 of the grad norm, 1.2e-3 of the KL for one build of the builtin model, 1e-4 for
+    # another. The one-step test below compares at identical weights to 1e-6; here a 2x (the ranks' shares averaged
+    # instead of summed) or a KL missing at DP 2 must still fail
     assert m2["train/loss"] == pytest.approx(m1["train/loss"], abs=max(1e-6, 0.01 * abs(m1["train/loss"])))
-    # the 2nd step starts from AdamW-updated weights (lr x sign(g) on step 1), which amplifies rounding to ~1e-4
-    assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=1e-3)
-    assert m2["train/kl_loss"] == pytest.approx(
-        m1["train/kl_loss"], rel=1e-3
-    )  # token-weighted over ranks, not a mean of means
+    assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=5e-3)
+    assert m1["train/kl_loss"] > 1e-4 and m2["train/kl_loss"] == pytest.approx(m1["train/kl_loss"], rel=5e-3)
     # the mean over all samples, not of the ranks' means: ranks 0 and 1 hold 2 and 3 samples with trained tokens
     # here (the others are empty), which put the mean of means 0.86% off (issue 28, N4; 3.8e-7 off after)
     diff = "train/train_rollout_logprob_abs_diff"
     assert m1[diff] > 0.1 and all(r["metrics"][diff] == pytest.approx(m1[diff], abs=1e-6) for r in two)
     assert 0 < m1["train/tis"] <= 2.0
     assert one["checksum_after"] != one["checksum_before"]
+
+
+def test_one_optimizer_step_at_dp2_matches_dp1_to_rounding(dense_model_dir):
+    """One optimizer step (global batch 8), so both layouts start and stay on the same weights: every loss term and
+    the grad norm agree to fp32 rounding (~1e-7 here), token-weighted over ranks, not a mean of the ranks' means."""
+    from tests.helpers.trainer_ranks import spawn
+
+    overrides = [*TRAIN_OVERRIDES, "train.global_batch_size=8"]
+    one = spawn("train_rank", 1, str(dense_model_dir), overrides, 8, 3)[0]["metrics"]
+    two = spawn("train_rank", 2, str(dense_model_dir), overrides, 8, 3)[0]["metrics"]
+    assert one["train/grad_norm"] > 1e-3 and abs(one["train/pg_loss"]) > 1e-6 and one["train/tis"] > 0
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy_loss", "train/tis"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), key
 
 
 @pytest.mark.parametrize("global_batch, auto_passes", [(8, 0), (4, 3)])
