@@ -82,13 +82,14 @@ def loop_phase(args, model_dir: Path, partial: Path, phase: str = "loop") -> dic
     """`vime_core.loop.run` with the bench's settings and `phase`'s (gpu_scale_config.MOE_LOOP_PHASES)."""
     from vime_core.loop import run
     from vime_core.metrics import MemorySink
+    from vime_core.trainer.routing import routing_metrics_interval
 
     run_dir = Path(args.cache) / "runs" / f"{args.shape}-{args.response_len}-{os.getpid()}"
     cfg, kept, dropped = bench_config(args, model_dir, run_dir, phase)
     arch = json.loads((model_dir / "config.json").read_text())
     prompts = step_prompts(cfg, model_dir, args.steps)
     rec: dict = {"overrides": kept, "dropped_overrides": dropped, "steps": []}
-    every = cfg.rollout.routing_metrics_every if cfg.rollout.routing_replay else 0
+    every = routing_metrics_interval(cfg.rollout)
     passes = loop_passes(cfg.train.old_logprobs, cfg.num_steps_per_rollout, every)
     rec["mfu_passes"] = passes
     t0 = time.time()

@@ -28,12 +28,15 @@ class RoutingReplayError(VimeError, ValueError):
     """A sample's routed experts do not fit the trainer's model; the message names the sample."""
 
 
+def routing_metrics_interval(rollout: RolloutConfig) -> int:
+    """Rollouts between R3's measurement forwards; 0: none run (R3 off, or rollout.routing_metrics_every = 0)."""
+    return rollout.routing_metrics_every if rollout.routing_replay else 0
+
+
 def measures_routing(rollout: RolloutConfig, rollout_id: int) -> bool:
-    """Whether this rollout's train phase runs R3's measurement forward (rollout.routing_metrics_every): on the
-    rollouts 0, N, 2N, ... so that a resumed run measures the same ones."""
-    if not rollout.routing_replay:
-        return False
-    every = rollout.routing_metrics_every
+    """Whether this rollout's train phase runs R3's measurement forward: on the rollouts 0, N, 2N, ... so that a
+    resumed run measures the same ones."""
+    every = routing_metrics_interval(rollout)
     return every > 0 and rollout_id % every == 0
 
 
