@@ -1,6 +1,10 @@
 # The two commands of the README, and the test tiers on their own. All install first (idempotent).
 # `make test` runs every tier in order, unit -> integration -> e2e (tests/conftest.py sorts them), so a broken build
 # fails in the first seconds; each run writes every test's seconds, per tier and slowest first, to test-durations.txt.
+# JOBS pytest-xdist workers share the tests a file at a time (a file's module fixtures are set up once): most e2e time
+# is spent waiting (servers, outages, engine start), so two workers on 2 cores finish sooner. JOBS=0 runs serially.
+JOBS ?= 2
+PYTEST = .venv/bin/python -m pytest -v -n $(JOBS) --dist loadfile
 .PHONY: install run test test-unit test-integration test-fast
 
 install:
@@ -12,13 +16,13 @@ run: install
 test: install
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
-	.venv/bin/python -m pytest -v --durations=25
+	$(PYTEST) --durations=25
 
 test-unit: install
-	.venv/bin/python -m pytest -v tests/unit
+	$(PYTEST) tests/unit
 
 test-integration: install
-	.venv/bin/python -m pytest -v tests/integration
+	$(PYTEST) tests/integration
 
 test-fast: install
-	.venv/bin/python -m pytest -v tests/unit tests/integration
+	$(PYTEST) tests/unit tests/integration

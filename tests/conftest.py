@@ -82,12 +82,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_logreport(report):
+    """Runs where the reports arrive: this process, or pytest-xdist's controller, which collects nothing itself (so
+    the tier comes from the node id's directory, not from the collection hook above)."""
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    parts = report.nodeid.split("::")[0].split("/")
+    if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS:
+        _tiers[report.nodeid] = parts[1]
 
 
 def pytest_sessionfinish(session, exitstatus):
     """The run's durations, written where the README says: per tier, then every test, slowest first."""
-    if not _durations:
+    if not _durations or hasattr(session.config, "workerinput"):  # an xdist worker: its controller writes them all
         return
     rows = sorted(_durations.items(), key=lambda kv: -kv[1])
     text = f"# {len(rows)} tests, {sum(_durations.values()):.0f} s in all (setup + call + teardown)\n"
