@@ -57,7 +57,7 @@ def model_copy(tmp_path, dense_model_dir) -> Path:
 # A test's tier is its directory (tests/unit, tests/integration, tests/e2e), marked here so that `-m unit`,
 # `-m "not e2e"` and the like select by it; the tiers run in this order, so a broken build fails in the first seconds.
 TIERS = ("unit", "integration", "e2e")
-DURATIONS_FILE = "test-durations.txt"  # every test's setup + call + teardown seconds of the last run, slowest first
+DURATIONS_FILE = "test-durations.txt"  # every test's setup + call + teardown seconds, each tier's last run
 _durations: dict[str, float] = {}
 _tiers: dict[str, str] = {}
 
@@ -81,24 +81,38 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: TIERS.index(_tiers[item.nodeid]))
 
 
+def node_tier(nodeid: str) -> str | None:
+    parts = nodeid.split("::")[0].split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS else None
+
+
 def pytest_runtest_logreport(report):
     """Runs where the reports arrive: this process, or pytest-xdist's controller, which collects nothing itself (so
-    the tier comes from the node id's directory, not from the collection hook above)."""
+    the tier comes from the node id, not from the collection hook above)."""
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
-    parts = report.nodeid.split("::")[0].split("/")
-    if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS:
-        _tiers[report.nodeid] = parts[1]
+    if tier := node_tier(report.nodeid):
+        _tiers[report.nodeid] = tier
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The run's durations, written where the README says: per tier, then every test, slowest first."""
+    """The durations, written where the README says: per tier, then every test, slowest first. `make test` runs each
+    tier on its own, so the rows of the tiers this run did not touch are kept from the file: each tier's last run."""
     if not _durations or hasattr(session.config, "workerinput"):  # an xdist worker: its controller writes them all
         return
-    rows = sorted(_durations.items(), key=lambda kv: -kv[1])
-    text = f"# {len(rows)} tests, {sum(_durations.values()):.0f} s in all (setup + call + teardown)\n"
+    path = Path(session.config.rootpath) / DURATIONS_FILE
+    ran = set(_tiers.values())
+    rows = dict(_durations)
+    for line in path.read_text().splitlines() if path.exists() else []:
+        seconds, _, nodeid = line.strip().partition("  ")
+        if not line.startswith("#") and nodeid and (tier := node_tier(nodeid)) and tier not in ran:
+            rows[nodeid], _tiers[nodeid] = float(seconds), tier
+    ordered = sorted(rows.items(), key=lambda kv: -kv[1])
+    text = (
+        f"# {len(ordered)} tests, {sum(rows.values()):.0f} s in all (setup + call + teardown), each tier's last run\n"
+    )
     for tier in TIERS:
-        times = [s for nodeid, s in rows if _tiers.get(nodeid) == tier]
+        times = [s for nodeid, s in ordered if _tiers.get(nodeid) == tier]
         if times:
             text += f"# {tier}: {len(times)} tests, {sum(times):.0f} s\n"
-    text += "".join(f"{seconds:9.2f}  {nodeid}\n" for nodeid, seconds in rows)
-    (Path(session.config.rootpath) / DURATIONS_FILE).write_text(text)
+    text += "".join(f"{seconds:9.2f}  {nodeid}\n" for nodeid, seconds in ordered)
+    path.write_text(text)

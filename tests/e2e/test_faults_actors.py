@@ -38,6 +38,9 @@ class Sleepy:
     def shutdown(self):
         pass
 
+    def ready(self):
+        return True
+
 
 @pytest.fixture(scope="module")
 def local_ray(tmp_path_factory):
@@ -49,9 +52,13 @@ def local_ray(tmp_path_factory):
 
 
 def actors(*hangs: float) -> list:
+    """Started and answering before a test's timeout runs: an actor's first call waits for its worker process, which on
+    a loaded 2-core machine (two test workers) took longer than the 2 s timeout, so even the prompt engine timed out."""
     import ray
 
-    return [ray.remote(Sleepy).options(num_cpus=0).remote(h) for h in hangs]
+    handles = [ray.remote(Sleepy).options(num_cpus=0).remote(h) for h in hangs]
+    ray.get([h.ready.remote() for h in handles], timeout=120)
+    return handles
 
 
 def test_a_hung_engine_is_named_with_what_it_was_doing(local_ray):
