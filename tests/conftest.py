@@ -58,40 +58,36 @@ def model_copy(tmp_path, dense_model_dir) -> Path:
 # `-m "not e2e"` and the like select by it; the tiers run in this order, so a broken build fails in the first seconds.
 TIERS = ("unit", "integration", "e2e")
 DURATIONS_FILE = "test-durations.txt"  # every test's setup + call + teardown seconds, each tier's last run
-_durations: dict[str, float] = {}
-_tiers: dict[str, str] = {}
+_durations: dict[str, float] = {}  # node id -> seconds, summed over setup, call and teardown
+
+
+def node_tier(nodeid: str) -> str | None:
+    """The tier of a test from its node id's directory (tests/<tier>/...); None outside the three. From the id, not
+    the collected item, because pytest-xdist's controller, which receives the reports, collects nothing itself."""
+    parts = nodeid.split("::")[0].split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS else None
 
 
 def tier_of(item: pytest.Item) -> str:
-    parts = item.path.relative_to(Path(__file__).parent).parts
-    if len(parts) < 2 or parts[0] not in TIERS:
+    tier = node_tier(item.nodeid)
+    if tier is None:
         raise pytest.UsageError(f"{item.nodeid}: a test lives in tests/unit, tests/integration or tests/e2e")
     marked = {m.name for m in item.iter_markers() if m.name in TIERS}
-    if marked - {parts[0]}:
-        raise pytest.UsageError(f"{item.nodeid}: marked {sorted(marked)} but lives in tests/{parts[0]}; move it")
-    return parts[0]
+    if marked - {tier}:
+        raise pytest.UsageError(f"{item.nodeid}: marked {sorted(marked)} but lives in tests/{tier}; move it")
+    return tier
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Each test gets its tier's marker; a stable sort by tier keeps file order within one."""
     for item in items:
-        _tiers[item.nodeid] = tier = tier_of(item)
-        item.add_marker(tier)
-    items.sort(key=lambda item: TIERS.index(_tiers[item.nodeid]))
-
-
-def node_tier(nodeid: str) -> str | None:
-    parts = nodeid.split("::")[0].split("/")
-    return parts[1] if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS else None
+        item.add_marker(tier_of(item))
+    items.sort(key=lambda item: TIERS.index(node_tier(item.nodeid)))
 
 
 def pytest_runtest_logreport(report):
-    """Runs where the reports arrive: this process, or pytest-xdist's controller, which collects nothing itself (so
-    the tier comes from the node id, not from the collection hook above)."""
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
-    if tier := node_tier(report.nodeid):
-        _tiers[report.nodeid] = tier
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -100,18 +96,18 @@ def pytest_sessionfinish(session, exitstatus):
     if not _durations or hasattr(session.config, "workerinput"):  # an xdist worker: its controller writes them all
         return
     path = Path(session.config.rootpath) / DURATIONS_FILE
-    ran = set(_tiers.values())
+    ran = {node_tier(nodeid) for nodeid in _durations}
     rows = dict(_durations)
     for line in path.read_text().splitlines() if path.exists() else []:
         seconds, _, nodeid = line.strip().partition("  ")
-        if not line.startswith("#") and nodeid and (tier := node_tier(nodeid)) and tier not in ran:
-            rows[nodeid], _tiers[nodeid] = float(seconds), tier
+        if not line.startswith("#") and node_tier(nodeid) not in ran | {None}:
+            rows[nodeid] = float(seconds)
     ordered = sorted(rows.items(), key=lambda kv: -kv[1])
     text = (
         f"# {len(ordered)} tests, {sum(rows.values()):.0f} s in all (setup + call + teardown), each tier's last run\n"
     )
     for tier in TIERS:
-        times = [s for nodeid, s in ordered if _tiers.get(nodeid) == tier]
+        times = [s for nodeid, s in ordered if node_tier(nodeid) == tier]
         if times:
             text += f"# {tier}: {len(times)} tests, {sum(times):.0f} s\n"
     text += "".join(f"{seconds:9.2f}  {nodeid}\n" for nodeid, seconds in ordered)
