@@ -14,8 +14,10 @@ import getpass
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,9 +67,22 @@ early_start: Any = None
 
 
 def init_ray(cfg: RunConfig, platform: str) -> None:
-    if early_start is not None and early_start.wait():  # started in the background (raises its error)
-        return
-    init_ray_now(cfg, platform)
+    main = threading.current_thread() is threading.main_thread()
+    ours = signal.getsignal(signal.SIGTERM) if main else None
+    if early_start is None or not early_start.wait():  # not started in the background (else: raises its error)
+        init_ray_now(cfg, platform)
+    if main:
+        keep_sigterm(ours)
+
+
+def keep_sigterm(ours: Any) -> None:
+    """Starting Ray replaces SIGTERM's handler twice: ray.init (main thread) sets one calling sys.exit, and Ray's
+    core worker puts abseil's crash handler over it, which prints a stack and arms a 3 s SIGALRM that aborts the
+    process: a run whose cleanup took longer died by SIGABRT instead of exiting 143. Put back the Python handler
+    set before (`vime train`'s), or else Ray's own, without the abseil one."""
+    if not callable(ours):  # SIG_DFL, SIG_IGN or none from Python: Ray's (exit through atexit's ray.shutdown)
+        ours = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL if ours is None else ours)
 
 
 def init_ray_now(cfg: RunConfig, platform: str) -> None:

@@ -57,3 +57,27 @@ def test_a_deferred_trainer_builds_nothing_until_start(dense_model_dir):
     assert r["before"] == {"model": False, "process_group": False}
     assert r["model"] and r["first"]["params"] > 0 and r["first"]["step"] == 0
     assert r["again"]["params"] == r["first"]["params"]  # a second start() only answers
+
+
+def test_sigterm_after_ray_starts_runs_a_slow_cleanup_to_its_exit_code(tmp_path):
+    """Ray's core worker puts abseil's crash handler on SIGTERM; left there, it aborts the process 3 s into the
+    cleanup (exit -6: a CI run of `vime train` died so). init_ray gives SIGTERM back to Python's handler."""
+    code = (
+        "import os, signal, sys, time\n"
+        "from tests.helpers.tiny import tiny_config\n"
+        "from vime_core import cluster\n"
+        "def stop(signum, frame):\n"
+        "    raise KeyboardInterrupt\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        f"cluster.init_ray(tiny_config({str(tmp_path)!r}, 'cluster.num_cpus=1'), 'cpu')\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "except KeyboardInterrupt:\n"
+        "    time.sleep(4)  # longer than abseil's 3 s alarm\n"
+        "    cluster.shutdown_ray()\n"
+        "    print('cleaned up', flush=True)\n"
+        "    os._exit(143)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert (proc.returncode, proc.stdout.strip()) == (143, "cleaned up"), proc.stderr[-2000:]
