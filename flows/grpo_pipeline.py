@@ -17,6 +17,7 @@ message and a "Nothing trained" artifact, and registers nothing. The output dir 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +28,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 
+from flows.local_api import start_local_api
 from tasks.common import artifact_key, cfg_of, markdown, tracking_retries, train_timeout
 from tasks.convert import convert_checkpoint
 from tasks.download import download_dataset, download_model
@@ -40,6 +42,7 @@ from vime_core.errors import VimeError, one_line, user_error
 from vime_core.redact import redact
 from vime_core.runlock import output_dir_lock
 from vime_core.stage_times import StageTimes, times_file
+from vime_core.stop import saved_line, stop_on_signal, stop_reason, stop_signal
 
 NOTHING_TRAINED = "NothingTrained"  # the Prefect state name (type COMPLETED) of a run that trained nothing new
 
@@ -115,18 +118,22 @@ def run_stages(cfg: RunConfig, flow_run_id: str | None, promote: bool = True) ->
         return train_and_register(cfg, config, model, run_id, flow_run_id, promote, clock)
     except BaseException as e:
         fail_tracking(config, run_id, e, finish)
+        if (signum := stop_signal(e)) is not None:  # Ctrl-C, or SIGTERM (a worker cancelling the run)
+            get_run_logger().warning(saved_line(cfg, signum))
+            flush_logs()
         raise
 
 
 def fail_tracking(config: dict[str, Any], run_id: str | None, e: BaseException, finish=finish_tracking) -> None:
-    """The pipeline's MLflow run ends FAILED with the error's one line in the tag ERROR_TAG (KILLED for Ctrl-C).
-    MLflow may be what failed: then the original error is the one reported, not this call's."""
+    """The pipeline's MLflow run ends FAILED with the error's one line in the tag ERROR_TAG (KILLED, naming the
+    signal, for Ctrl-C and SIGTERM). MLflow may be what failed: then the original error is the one reported."""
     from vime_core.errors import one_line
     from vime_core.tracking import ERROR_TAG
 
-    status = "KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED"
+    reason = stop_reason(e)
+    status = "FAILED" if reason is None else "KILLED"
     try:
-        finish(config, run_id, {}, status=status, tags={ERROR_TAG: one_line(e)[:5000]})
+        finish(config, run_id, {}, status=status, tags={ERROR_TAG: (reason or one_line(e))[:5000]})
     except Exception as again:  # noqa: BLE001 - reported below, the original error propagates
         print(f"could not mark MLflow run {run_id} {status}: {type(again).__name__}: {str(again)[:200]}")
 
@@ -300,7 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     start_watchdog()  # a SIGKILLed pipeline takes its temporary Prefect server, Ray and the actors with it
     try:
         cfg = load_config(args.config, args.overrides)
-        summary = grpo_pipeline(args.config, args.overrides)
+        start_local_api()
+        # SIGTERM stays Prefect's: in the flow it raises TerminationSignal, then ends the process by SIGTERM
+        with stop_on_signal((signal.SIGINT,)):
+            try:
+                summary = grpo_pipeline(args.config, args.overrides)
+            except BaseException as e:
+                if (signum := stop_signal(e)) is not None:  # the flow logged what was saved
+                    return 128 + signum
+                raise
     except Exception as e:
         user = user_error(e)
         if args.debug or debug_requested([]) or user is None:

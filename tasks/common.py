@@ -44,9 +44,13 @@ def is_transient(task, task_run, state) -> bool:
     """Prefect `retry_condition_fn`: retry crashes, lost actors, timeouts and I/O errors; never the errors a user has
     to fix (VimeError: a bad config, dataset, model source or checkpoint, a busy output dir), which fail at once.
     An actor timeout is a VimeError too, but a retry on a fresh cluster may get past it; so may a TransientError (a
-    hub or MLflow server that did not answer)."""
+    hub or MLflow server that did not answer). Nothing is retried once a Ctrl-C stopped the run (an actor that the
+    same Ctrl-C killed may fail first, with an error that would be retried)."""
     from vime_core.errors import ActorTimeoutError, TransientError, VimeError
+    from vime_core.stop import stop_signal
 
+    if stop_signal() is not None:
+        return False
     try:
         state.result()
     except (ActorTimeoutError, TransientError):

@@ -6,7 +6,6 @@ import atexit
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -148,6 +147,7 @@ def train(
     from vime_core.orphans import start_watchdog
     from vime_core.prepare import check_before_start
     from vime_core.runlock import output_dir_lock
+    from vime_core.stop import saved_line, stop_on_signal
 
     _setup_logging(verbose)
     cfg = _load(config, overrides)
@@ -172,46 +172,6 @@ def train(
             # whatever the signal interrupted (an actor killed by the same Ctrl-C may fail first), say what is kept
             err.print(saved_line(cfg, stopped[0]), highlight=False, markup=False, soft_wrap=True)
             sys.exit(128 + stopped[0])
-
-
-@contextmanager
-def stop_on_signal():
-    """SIGINT (Ctrl-C) and SIGTERM raise KeyboardInterrupt in the main thread, so that the loop's cleanup runs (the
-    MLflow run ends KILLED, the actors and Ray stop); yields the list that gets the signal's number. A second signal
-    during that cleanup ends the process at once (the orphan watchdog still stops Ray's processes)."""
-    stopped: list[int] = []
-
-    def handler(signum, frame):
-        if stopped:
-            os._exit(128 + signum)
-        stopped.append(signum)
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield stopped
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-def saved_line(cfg, signum: int) -> str:
-    """What a stopped run leaves: its last complete checkpoint (by the cheap look: nothing is verified or set aside
-    here; the next run does that), or that there is none."""
-    from vime_core.checkpoint import Checkpointer
-
-    name = signal.Signals(signum).name
-    try:
-        latest = Checkpointer(cfg.save_dir).peek_latest()
-        done = Checkpointer.read_state(latest)["rollout_id"] + 1 if latest else 0
-    except Exception as e:  # noqa: BLE001 - a damaged checkpoint: the next run sets it aside and names it
-        return f"stopped by {name}: the checkpoints in {cfg.save_dir} could not be read ({type(e).__name__})"
-    if latest is None:
-        return f"stopped by {name}: no checkpoint saved yet in {cfg.save_dir}; a rerun starts from step 1"
-    return (
-        f"stopped by {name}: last checkpoint {latest} (after rollout step {done}/{cfg.rollout.num_rollout}); "
-        f"a rerun resumes from it"
-    )
 
 
 def train_locked(cfg, metrics_out: Optional[Path]) -> None:

@@ -313,13 +313,12 @@ class MlflowRun:
         run stopped by a bad input says why on its page. Best effort: MLflow may be what failed, and the caller
         re-raises the original error."""
         from vime_core.errors import one_line
+        from vime_core.stop import stop_reason
 
-        stopped = isinstance(e, KeyboardInterrupt)
-        # Ray re-raises a Ctrl-C / SIGTERM inside ray.wait as a bare KeyboardInterrupt: say what it was
-        text = "KeyboardInterrupt: stopped by Ctrl-C or SIGTERM" if stopped and not str(e) else one_line(e)
+        reason = stop_reason(e)
         try:
-            self.client.set_tag(self.run_id, ERROR_TAG, text[:5000])
-            self.end("KILLED" if stopped else "FAILED")
+            self.client.set_tag(self.run_id, ERROR_TAG, (reason or one_line(e))[:5000])
+            self.end("FAILED" if reason is None else "KILLED")
         except Exception as again:  # noqa: BLE001 - logged; the original error is the one to report
             log.warning("could not mark MLflow run %s failed: %s", self.run_id, again)
 

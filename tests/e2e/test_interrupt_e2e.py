@@ -1,5 +1,6 @@
-"""Ctrl-C and SIGTERM during `vime train`: the run stops through its cleanup, prints one line naming what was saved
-(the last checkpoint and its step, or that there is none) and exits 128 + the signal (130, 143)."""
+"""Ctrl-C and SIGTERM during `vime train`, and Ctrl-C during `vime-pipeline` (`make run`): the run stops through its
+cleanup, prints one line naming what was saved (the last checkpoint and its step, or that there is none) and exits
+128 + the signal (130, 143); the MLflow run ends KILLED."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.tiny import tiny_config
+from tests.helpers.tiny import REPO, tiny_config
 from tests.helpers.train_process import start_train, wait_for
 
 
@@ -47,16 +51,64 @@ def test_a_signal_says_what_was_saved_and_exits_128_plus_it(tmp_path, sig, whole
     cfg = tiny_config(tmp_path / "out")  # the run's MLflow store (tracking on, as users run it)
     client = mlflow_client(resolve_tracking_uri(cfg))
     (run,) = client.search_runs([client.get_experiment_by_name(cfg.name).experiment_id])
-    assert run.info.status == "KILLED" and run.data.tags[ERROR_TAG].startswith("KeyboardInterrupt: "), (
+    assert run.info.status == "KILLED" and run.data.tags[ERROR_TAG].endswith(f": stopped by {sig.name}"), (
         run.info.status,
         run.data.tags.get(ERROR_TAG),
     )
 
 
 def test_the_line_says_when_nothing_was_saved(tmp_path):
-    from vime_core.cli import saved_line
+    from vime_core.stop import saved_line
 
     cfg = tiny_config(tmp_path)
     assert saved_line(cfg, signal.SIGTERM) == (
         f"stopped by SIGTERM: no checkpoint saved yet in {cfg.save_dir}; a rerun starts from step 1"
     )
+
+
+def test_ctrl_c_stops_vime_pipeline_without_a_retry_or_a_traceback(tmp_path):
+    """The terminal's Ctrl-C reaches the whole process group, the temporary Prefect server too: before it was shielded
+    the train task was retried against the dead server and the process exited 1 after ~140 s of tracebacks."""
+    out, log, home = tmp_path / "out", tmp_path / "pipeline.log", tmp_path / "prefect"
+    sets = [f"output_dir={out}", "rollout.num_rollout=40", "checkpoint.save_interval=1", "eval.datasets=[]"]
+    args = [str(Path(sys.executable).parent / "vime-pipeline"), "-c", "configs/tiny-cpu.yaml"]
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage")}
+    proc = subprocess.Popen(
+        [*args, *(a for s in sets for a in ("--set", s))],
+        cwd=REPO,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: (out / "checkpoints" / "latest").exists(), 600, proc, log)
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=300)
+        text = log.read_text()
+        assert code == 130, f"exit {code}:\n{text[-3000:]}"
+        found = re.search(SAVED.format(sig="SIGINT").strip("^$"), text, re.M)
+        assert found, text[-3000:]
+        assert "Traceback" not in text and "Retry" not in text, text[-3000:]
+        assert gone(proc.pid, 60), "a process of the pipeline's group outlived it (its Prefect server?)"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    cfg = tiny_config(out)
+    from vime_core.tracking import ERROR_TAG, mlflow_client, resolve_tracking_uri
+
+    client = mlflow_client(resolve_tracking_uri(cfg))
+    (run,) = client.search_runs([client.get_experiment_by_name(cfg.name).experiment_id])
+    assert (run.info.status, run.data.tags[ERROR_TAG]) == ("KILLED", "KeyboardInterrupt: stopped by SIGINT")
+
+
+def gone(pgid: int, timeout: float) -> bool:
+    """Whether the process group `pgid` empties within `timeout` seconds (the orphan watchdog stays to reap first)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.5)
+    return False
