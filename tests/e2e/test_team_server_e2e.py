@@ -20,9 +20,8 @@ from subprocess import STDOUT
 
 import pytest
 
-from tests.helpers.mlflow_server import start_server, stop_server
+from tests.helpers.mlflow_server import restartable_port, start_server, stop_server
 from tests.helpers.tiny import REPO
-from vime_core.ports import free_port
 
 BIN = Path(sys.executable).parent
 MODEL = "vime-tiny-cpu"  # registered_name of configs/tiny-cpu.yaml
@@ -43,7 +42,7 @@ def night(tmp_path_factory):
     keeps the rows the server did not take and sends them when it is back). One night serves every test here: a
     second, outage-free night would only repeat the ~100 s of a pipeline run."""
     tmp = tmp_path_factory.mktemp("team")
-    root, port = tmp / "server", free_port()
+    root, port = tmp / "server", restartable_port()
     root.mkdir()
     uri = f"http://127.0.0.1:{port}"
     stop_server(start_server(root, port))  # an empty store, then down at 02:00

@@ -18,9 +18,8 @@ import time
 
 import pytest
 
-from tests.helpers.mlflow_server import start_server, stop_server
+from tests.helpers.mlflow_server import restartable_port, start_server, stop_server
 from tests.helpers.tiny import REPO
-from vime_core.ports import free_port
 
 
 OUTAGE_S = 20  # each second of it is a second of the suite
@@ -33,7 +32,7 @@ def server_with_a_champion(tmp_path):
     from vime_core.policy_model import register_policy
     from vime_core.tracking import MlflowRun
 
-    root, port = tmp_path / "server", free_port()
+    root, port = tmp_path / "server", restartable_port()
     root.mkdir()
     procs = [start_server(root, port)]
     uri = f"http://127.0.0.1:{port}"
@@ -92,7 +91,7 @@ def test_metrics_logged_during_an_outage_reach_the_run_when_the_server_is_back(t
     from vime_core.tracking import EvalChildRuns, MlflowRun
     from vime_core.metrics import MultiSink
 
-    root, port = tmp_path / "server", free_port()
+    root, port = tmp_path / "server", restartable_port()
     root.mkdir()
     uri = f"http://127.0.0.1:{port}"
     procs = [start_server(root, port)]
