@@ -76,10 +76,10 @@ def init_ray(cfg: RunConfig, platform: str) -> None:
 
 
 def keep_sigterm(ours: Any) -> None:
-    """Starting Ray replaces SIGTERM's handler twice: ray.init (main thread) sets one calling sys.exit, and Ray's
-    core worker puts abseil's crash handler over it, which prints a stack and arms a 3 s SIGALRM that aborts the
-    process: a run whose cleanup took longer died by SIGABRT instead of exiting 143. Put back the Python handler
-    set before (`vime train`'s), or else Ray's own, without the abseil one."""
+    """ray.init in the main thread replaces SIGTERM's handler with one calling sys.exit (the run would exit 15, not
+    through `vime train`'s cleanup). Put back the Python handler set before (`vime train`'s, or Prefect's in a flow
+    run, whose cancellation checks that it is installed), or else keep Ray's. (Ray's core worker also puts abseil's
+    crash handler on SIGTERM at the C level, over Python's: init_ray_now turns that off for this process.)"""
     if not callable(ours):  # SIG_DFL, SIG_IGN or none from Python: Ray's (exit through atexit's ray.shutdown)
         ours = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, signal.SIG_DFL if ours is None else ours)
@@ -93,7 +93,12 @@ def init_ray_now(cfg: RunConfig, platform: str) -> None:
         _local.env_set = tuple(k for k in LOOPBACK_ENV if k not in os.environ)
         os.environ.update({k: LOOPBACK_ENV[k] for k in _local.env_set})  # before `import ray`: see LOOPBACK_ENV
     import ray
+    from ray._private import ray_constants  # read at ray.init; its environment variable would reach the actors too
 
+    # Abseil's failure-signal handler (Ray's core worker installs it) takes SIGTERM too: it passes the signal on and
+    # arms a 3 s SIGALRM that aborts the process, so a cleanup longer than that died by SIGABRT, not exit 143. Off in
+    # the driver only (Python's faulthandler, which Ray enables, still reports its crashes); the actors keep it.
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     apply_offline_env()
     _write_ray_bootstrap_config()
     raise_fd_limit(gpu=platform != "cpu")

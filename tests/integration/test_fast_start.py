@@ -9,6 +9,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from tests.helpers.tiny import REPO
 from vime_core import cluster
@@ -59,17 +60,31 @@ def test_a_deferred_trainer_builds_nothing_until_start(dense_model_dir):
     assert r["again"]["params"] == r["first"]["params"]  # a second start() only answers
 
 
-def test_sigterm_after_ray_starts_runs_a_slow_cleanup_to_its_exit_code(tmp_path):
+@pytest.mark.parametrize(
+    "start",
+    [
+        "cluster.init_ray(cfg, 'cpu')",
+        # vime train and vime-pipeline: Ray starts in a background thread, and init_ray comes later (after the
+        # checkpoint conversion in the pipeline); the signal comes before it
+        "start_ray_early(cfg)",
+    ],
+)
+def test_sigterm_after_ray_starts_runs_a_slow_cleanup_to_its_exit_code(tmp_path, start):
     """Ray's core worker puts abseil's crash handler on SIGTERM; left there, it aborts the process 3 s into the
-    cleanup (exit -6: a CI run of `vime train` died so). init_ray gives SIGTERM back to Python's handler."""
+    cleanup (exit -6: a CI run of `vime train` died so). Ray's start gives SIGTERM back to Python's handler."""
     code = (
         "import os, signal, sys, time\n"
         "from tests.helpers.tiny import tiny_config\n"
         "from vime_core import cluster\n"
+        "from vime_core.early_ray import start_ray_early\n"
         "def stop(signum, frame):\n"
         "    raise KeyboardInterrupt\n"
         "signal.signal(signal.SIGTERM, stop)\n"
-        f"cluster.init_ray(tiny_config({str(tmp_path)!r}, 'cluster.num_cpus=1'), 'cpu')\n"
+        f"cfg = tiny_config({str(tmp_path)!r}, 'cluster.num_cpus=2', 'eval.datasets=[]')\n"
+        f"{start}\n"
+        "import ray\n"
+        "while not ray.is_initialized():  # the signal comes once Ray is up (and its core worker's handler in)\n"
+        "    time.sleep(0.1)\n"
         "try:\n"
         "    os.kill(os.getpid(), signal.SIGTERM)\n"
         "    time.sleep(30)\n"
@@ -79,5 +94,5 @@ def test_sigterm_after_ray_starts_runs_a_slow_cleanup_to_its_exit_code(tmp_path)
         "    print('cleaned up', flush=True)\n"
         "    os._exit(143)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert (proc.returncode, proc.stdout.strip()) == (143, "cleaned up"), proc.stderr[-2000:]
