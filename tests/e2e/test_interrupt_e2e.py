@@ -99,7 +99,11 @@ def test_ctrl_c_stops_vime_pipeline_without_a_retry_or_a_traceback(tmp_path):
 
     client = mlflow_client(resolve_tracking_uri(cfg))
     (run,) = client.search_runs([client.get_experiment_by_name(cfg.name).experiment_id])
-    assert (run.info.status, run.data.tags[ERROR_TAG]) == ("KILLED", "KeyboardInterrupt: stopped by SIGINT")
+    # "KeyboardInterrupt: ...", or the error of an actor that the same Ctrl-C stopped first
+    assert run.info.status == "KILLED" and run.data.tags[ERROR_TAG].endswith(": stopped by SIGINT"), (
+        run.info.status,
+        run.data.tags.get(ERROR_TAG),
+    )
 
 
 def gone(pgid: int, timeout: float) -> bool:
