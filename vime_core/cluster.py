@@ -80,9 +80,8 @@ def keep_sigterm(ours: Any) -> None:
     through `vime train`'s cleanup). Put back the Python handler set before (`vime train`'s, or Prefect's in a flow
     run, whose cancellation checks that it is installed), or else keep Ray's. (Ray's core worker also puts abseil's
     crash handler on SIGTERM at the C level, over Python's: init_ray_now turns that off for this process.)"""
-    if not callable(ours):  # SIG_DFL, SIG_IGN or none from Python: Ray's (exit through atexit's ray.shutdown)
-        ours = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL if ours is None else ours)
+    if callable(ours):  # else (SIG_DFL, SIG_IGN, none from Python) Ray's stays: exit through atexit's ray.shutdown
+        signal.signal(signal.SIGTERM, ours)
 
 
 def init_ray_now(cfg: RunConfig, platform: str) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tests.helpers.orphans import GRACE_S, descendants, run_dirs, survivors, wait_gone
 from tests.helpers.tiny import REPO
+from tests.helpers.train_process import start_pipeline
 
 VIME = Path(sys.executable).parent / "vime"
 
@@ -71,23 +72,8 @@ def test_sigkill_of_vime_train_leaves_no_process_behind(tmp_path):
 
 def test_sigkill_of_vime_pipeline_takes_its_temporary_prefect_server(tmp_path):
     """Killed once its temporary Prefect server (uvicorn) is up: before the watchdog it ran on indefinitely."""
-    home = tmp_path / "prefect"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage")}
-    args = [
-        str(Path(sys.executable).parent / "vime-pipeline"),
-        "-c",
-        "configs/tiny-cpu.yaml",
-        "--set",
-        f"output_dir={tmp_path / 'run'}",
-        "--set",
-        "eval.datasets=[]",
-        "--set",
-        "tracking.enabled=false",
-    ]
     log = tmp_path / "pipeline.log"
-    proc = subprocess.Popen(
-        args, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
+    proc = start_pipeline(tmp_path / "run", log, ["eval.datasets=[]", "tracking.enabled=false"])
     known: dict = {}
     try:
         deadline = time.monotonic() + 300

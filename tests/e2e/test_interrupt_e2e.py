@@ -8,15 +8,13 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.tiny import REPO, tiny_config
-from tests.helpers.train_process import start_train, wait_for
+from tests.helpers.tiny import tiny_config
+from tests.helpers.train_process import start_pipeline, start_train, wait_for
 
 
 SAVED = r"^stopped by {sig}: last checkpoint (\S+) \(after rollout step (\d+)/40\); a rerun resumes from it$"
@@ -69,18 +67,8 @@ def test_the_line_says_when_nothing_was_saved(tmp_path):
 def test_ctrl_c_stops_vime_pipeline_without_a_retry_or_a_traceback(tmp_path):
     """The terminal's Ctrl-C reaches the whole process group, the temporary Prefect server too: before it was shielded
     the train task was retried against the dead server and the process exited 1 after ~140 s of tracebacks."""
-    out, log, home = tmp_path / "out", tmp_path / "pipeline.log", tmp_path / "prefect"
-    sets = [f"output_dir={out}", "rollout.num_rollout=40", "checkpoint.save_interval=1", "eval.datasets=[]"]
-    args = [str(Path(sys.executable).parent / "vime-pipeline"), "-c", "configs/tiny-cpu.yaml"]
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage")}
-    proc = subprocess.Popen(
-        [*args, *(a for s in sets for a in ("--set", s))],
-        cwd=REPO,
-        env=env,
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    out, log = tmp_path / "out", tmp_path / "pipeline.log"
+    proc = start_pipeline(out, log, ["rollout.num_rollout=40", "checkpoint.save_interval=1", "eval.datasets=[]"])
     try:
         wait_for(lambda: (out / "checkpoints" / "latest").exists(), 600, proc, log)
         os.killpg(proc.pid, signal.SIGINT)

@@ -1,6 +1,6 @@
-"""`vime train` as a separate process group for the crash tests (tests/e2e/test_crash_recovery.py,
-tests/e2e/test_async_e2e.py): start it on the tiny config, wait for a condition, SIGKILL the group, read what it
-left."""
+"""`vime train` and `vime-pipeline` as separate process groups for the crash and signal tests
+(tests/e2e/test_crash_recovery.py, test_async_e2e.py, test_interrupt_e2e.py, test_faults_orphans.py): start one on
+the tiny config, wait for a condition, signal or SIGKILL the group, read what it left."""
 
 from __future__ import annotations
 
@@ -27,6 +27,18 @@ def start_train(out: Path, log: Path, overrides: list[str], slow_commit: bool = 
     args = [*cli, "train", "--config", "configs/tiny-cpu.yaml", "--metrics-out", str(out / "metrics.jsonl"), *sets]
     return subprocess.Popen(
         args, cwd=REPO, env=os.environ.copy(), stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def start_pipeline(out: Path, log: Path, overrides: list[str]) -> subprocess.Popen:
+    """`vime-pipeline --config configs/tiny-cpu.yaml` into `out` with `--set` `overrides`, in its own process group,
+    with its Prefect home (and task results) beside `out`."""
+    home = out.parent / "prefect"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage")}
+    sets = [arg for o in [f"output_dir={out}", *overrides] for arg in ("--set", o)]
+    args = [str(VIME.parent / "vime-pipeline"), "--config", "configs/tiny-cpu.yaml", *sets]
+    return subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
     )
 
 
