@@ -17,7 +17,6 @@ message and a "Nothing trained" artifact, and registers nothing. The output dir 
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +27,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Completed, Failed, State
 
-from flows.local_api import start_local_api
+from flows.cli import run_flow_locally
 from tasks.common import artifact_key, cfg_of, markdown, tracking_retries, train_timeout
 from tasks.convert import convert_checkpoint
 from tasks.download import download_dataset, download_model
@@ -42,7 +41,7 @@ from vime_core.errors import VimeError, one_line, user_error
 from vime_core.redact import redact
 from vime_core.runlock import output_dir_lock
 from vime_core.stage_times import StageTimes, times_file
-from vime_core.stop import saved_line, stop_on_signal, stop_reason, stop_signal
+from vime_core.stop import saved_line, stop_reason, stop_signal
 
 NOTHING_TRAINED = "NothingTrained"  # the Prefect state name (type COMPLETED) of a run that trained nothing new
 
@@ -301,31 +300,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     parser.add_argument("--debug", action="store_true", help="Show the traceback of an error (also VIME_DEBUG=1).")
     args = parser.parse_args(argv)
-    from vime_core.errors import debug_requested
-    from vime_core.orphans import start_watchdog
-
-    start_watchdog()  # a SIGKILLed pipeline takes its temporary Prefect server, Ray and the actors with it
-    try:
-        cfg = load_config(args.config, args.overrides)
-        start_local_api()
-        # SIGTERM stays Prefect's: in the flow it raises TerminationSignal, then ends the process by SIGTERM
-        with stop_on_signal((signal.SIGINT,)):
-            try:
-                summary = grpo_pipeline(args.config, args.overrides)
-            except BaseException as e:
-                if (signum := stop_signal(e)) is not None:  # the flow logged what was saved
-                    return 128 + signum
-                raise
-    except Exception as e:
-        user = user_error(e)
-        if args.debug or debug_requested([]) or user is None:
-            raise
-        print(f"{one_line(user)}  (--debug shows the traceback)", file=sys.stderr)
-        return user.exit_code
+    code, summary = run_flow_locally(
+        lambda: load_config(args.config, args.overrides),
+        lambda cfg: grpo_pipeline(args.config, args.overrides),
+        debug=args.debug,
+    )
+    if summary is None:  # a user error printed its line; a stopped flow logged what was saved
+        return code
     print("\n=== vime-flow pipeline summary ===")
     for k, v in summary.items():
         print(f"  {k}: {v:.4f}" if isinstance(v, float) else f"  {k}: {v}")
-    uri = tracking_target(cfg)[0]
+    uri = tracking_target(load_config(args.config, args.overrides))[0]
     print(redact(f"\nOpen the MLflow UI:  .venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"))
     return 0
 

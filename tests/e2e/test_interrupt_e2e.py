@@ -1,11 +1,12 @@
 """Ctrl-C and SIGTERM during `vime train`, and Ctrl-C during `vime-pipeline` (`make run`): the run stops through its
 cleanup, prints one line naming what was saved (the last checkpoint and its step, or that there is none) and exits
-128 + the signal (130, 143); the MLflow run ends KILLED."""
+128 + the signal (130, 143); the MLflow run ends KILLED. Ctrl-C during `python -m flows.evaluate`: one line, 130."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import re
 import signal
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.tiny import tiny_config
-from tests.helpers.train_process import start_pipeline, start_train, wait_for
+from tests.helpers.train_process import start_flow_cli, start_pipeline, start_train, wait_for
 
 
 SAVED = r"^stopped by {sig}: last checkpoint (\S+) \(after rollout step (\d+)/40\); a rerun resumes from it$"
@@ -92,6 +93,27 @@ def test_ctrl_c_stops_vime_pipeline_without_a_retry_or_a_traceback(tmp_path):
         run.info.status,
         run.data.tags.get(ERROR_TAG),
     )
+
+
+def test_ctrl_c_stops_an_evaluation_in_one_line(tmp_path):
+    """Before, the evaluation's Prefect server died of the same Ctrl-C: 147 s of connection retries, exit 1."""
+    out, log = tmp_path / "out", tmp_path / "evaluate.log"
+    model = "builtin://tiny-qwen3-arith"
+    proc = start_flow_cli(
+        [sys.executable, "-m", "flows.evaluate", "--model", model, "--set", f"output_dir={out}"], out, log
+    )
+    try:
+        wait_for(lambda: "evaluating " in log.read_text(), 300, proc, log)  # the engine is starting or running
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=300)
+        text = log.read_text()
+        assert code == 130, f"exit {code}:\n{text[-3000:]}"
+        assert f"stopped by SIGINT: the evaluation of {model} did not finish; rerun it" in text, text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+        assert gone(proc.pid, 60), "a process of the evaluation's group outlived it (its Prefect server? Ray?)"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def gone(pgid: int, timeout: float) -> bool:

@@ -31,12 +31,16 @@ def start_train(out: Path, log: Path, overrides: list[str], slow_commit: bool = 
 
 
 def start_pipeline(out: Path, log: Path, overrides: list[str]) -> subprocess.Popen:
-    """`vime-pipeline --config configs/tiny-cpu.yaml` into `out` with `--set` `overrides`, in its own process group,
-    with its Prefect home (and task results) beside `out`."""
+    """`vime-pipeline --config configs/tiny-cpu.yaml` into `out` with `--set` `overrides` (start_flow_cli)."""
+    sets = [arg for o in [f"output_dir={out}", *overrides] for arg in ("--set", o)]
+    return start_flow_cli([str(VIME.parent / "vime-pipeline"), "--config", "configs/tiny-cpu.yaml", *sets], out, log)
+
+
+def start_flow_cli(args: list[str], out: Path, log: Path) -> subprocess.Popen:
+    """A flow's command line (vime-pipeline, python -m flows.evaluate) in its own process group, with its Prefect
+    home (and task results, so no cached result of another test is reused) beside `out`."""
     home = out.parent / "prefect"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_RESULTS_LOCAL_STORAGE_PATH": str(home / "storage")}
-    sets = [arg for o in [f"output_dir={out}", *overrides] for arg in ("--set", o)]
-    args = [str(VIME.parent / "vime-pipeline"), "--config", "configs/tiny-cpu.yaml", *sets]
     return subprocess.Popen(
         args, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True
     )

@@ -86,3 +86,21 @@ def test_a_deployment_run_with_a_config_typo_ends_failed_in_one_line(tmp_path):
     assert state.startswith("STATE FAILED ConfigError: ") and "train.nonsense: unknown key" in state, state
     assert "pipeline failed: ConfigError: " in r.stderr, r.stderr[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def test_flows_evaluate_refuses_a_missing_model_in_one_line(tmp_path):
+    """The on-demand evaluation meets bad input as vime-pipeline does: before, a missing model printed Prefect's
+    tracebacks and exited 1."""
+    missing = tmp_path / "no-such-model"
+    r = subprocess.run(
+        [sys.executable, "-m", "flows.evaluate", "--model", str(missing), "--set", f"output_dir={tmp_path / 'out'}"],
+        cwd=REPO,
+        env={**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "VIME_DEBUG": ""},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    last = r.stderr.strip().splitlines()[-2:]  # the error's line, then Prefect's "Stopping temporary server"
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert any(line.startswith("SourceError: ") and str(missing) in line for line in last), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr[-3000:]
