@@ -82,22 +82,22 @@ def loop_phase(args, model_dir: Path, partial: Path, phase: str = "loop") -> dic
     """`vime_core.loop.run` with the bench's settings and `phase`'s (gpu_scale_config.MOE_LOOP_PHASES)."""
     from vime_core.loop import run
     from vime_core.metrics import MemorySink
-    from vime_core.trainer.routing import routing_metrics_interval
+    from vime_core.trainer.routing import measures_routing
 
     run_dir = Path(args.cache) / "runs" / f"{args.shape}-{args.response_len}-{os.getpid()}"
     cfg, kept, dropped = bench_config(args, model_dir, run_dir, phase)
     arch = json.loads((model_dir / "config.json").read_text())
     prompts = step_prompts(cfg, model_dir, args.steps)
     rec: dict = {"overrides": kept, "dropped_overrides": dropped, "steps": []}
-    every = routing_metrics_interval(cfg.rollout)
-    passes = loop_passes(cfg.train.old_logprobs, cfg.num_steps_per_rollout, every)
-    rec["mfu_passes"] = passes
     t0 = time.time()
 
     def on_step(i: int, m: dict) -> None:
         row = {k: v for k, v in m.items() if isinstance(v, (int, float))}
         lens = [len(p) + m["rollout/response_len/mean"] for p in prompts[i] for _ in range(args.samples)]
         row["bench/train_tokens"] = sum(lens)  # prompt + mean response length per sample, as the HF phase counts
+        passes = loop_passes(cfg.train.old_logprobs, cfg.num_steps_per_rollout, measures_routing(cfg.rollout, i))
+        row["bench/mfu_passes"] = passes
+        rec["mfu_passes"] = statistics.mean(r["bench/mfu_passes"] for r in rec["steps"] + [row])
         row["bench/mfu"] = mfu(
             step_flops(arch, lens, passes) / sum(lens) * m["perf/actor_train_tok_per_s"], 1.0, args.peak_flops
         )

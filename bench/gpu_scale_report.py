@@ -193,12 +193,12 @@ def step_flops(c: dict, seq_lens: list[float], passes: float) -> float:
     return passes * sum(2 * flop_params(c) * s + attn * s * s for s in seq_lens)
 
 
-def loop_passes(old_logprobs: str, steps_per_rollout: int, routing_every: int = 0) -> float:
-    """Passes per trained sample that the loop's trainer runs: forward + backward (3), plus the no-grad old-log-prob
-    forward over the samples it covers (with train.old_logprobs auto, all but the first optimizer step's), plus the
-    no-grad forward without replay that measures routing agreement (all samples) on one rollout in `routing_every`
-    (rollout.routing_metrics_every with R3 on; 0: none), averaged over the rollouts."""
-    extra = 1.0 / routing_every if routing_every > 0 else 0.0
+def loop_passes(old_logprobs: str, steps_per_rollout: int, routing_measured: bool = False) -> float:
+    """Passes per trained sample that the loop's trainer runs on one rollout: forward + backward (3), plus the no-grad
+    old-log-prob forward over the samples it covers (with train.old_logprobs auto, all but the first optimizer step's),
+    plus, on a rollout where R3 measures routing agreement (vime_core.trainer.routing.measures_routing), the no-grad
+    forward without replay over all samples. Per rollout, not averaged: MFU counts the passes that step ran."""
+    extra = 1.0 if routing_measured else 0.0
     if old_logprobs == "forward":
         return 4.0 + extra
     return 3.0 + (steps_per_rollout - 1) / steps_per_rollout + extra

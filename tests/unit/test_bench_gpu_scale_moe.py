@@ -107,11 +107,17 @@ def test_active_params_and_moe_flops_by_hand(rp):
     assert rp.step_flops(c, [3], passes=3) == 3 * one_pass
 
 
-def test_r3_adds_its_routing_agreement_forward_to_the_passes(rp):
-    assert rp.loop_passes("auto", 1, routing_every=1) == 4.0
-    assert rp.loop_passes("forward", 1, routing_every=1) == 5.0
-    assert rp.loop_passes("auto", 1, routing_every=4) == 3.25  # the measuring forward on one rollout in four
+def test_r3_adds_its_routing_agreement_forward_to_the_passes_of_the_rollouts_it_measures(rp):
+    from vime_core.trainer.routing import measures_routing
+
+    assert rp.loop_passes("auto", 1, routing_measured=True) == 4.0
+    assert rp.loop_passes("forward", 1, routing_measured=True) == 5.0
     assert rp.loop_passes("auto", 1) == 3.0
+    # every 2: rollouts 0 and 2 run the measuring forward, 1 does not (as run on an H100, 2026-12-06)
+    sets = ["rollout.routing_replay=true", "rollout.routing_metrics_every=2"]
+    cfg = load_config(str(REPO / "configs/qwen3-30b-a3b.yaml"), sets)
+    passes = [rp.loop_passes("auto", 1, measures_routing(cfg.rollout, i)) for i in range(3)]
+    assert passes == [4.0, 3.0, 4.0]
 
 
 def test_routing_metric_names_are_the_trainers():
