@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         lambda cfg: grpo_pipeline(args.config, args.overrides),
         debug=args.debug,
     )
-    if summary is None:  # a user error printed its line; a stopped flow logged what was saved
+    if code:  # a user error printed its line; a stopped flow logged what was saved
         return code
     print("\n=== vime-flow pipeline summary ===")
     for k, v in summary.items():

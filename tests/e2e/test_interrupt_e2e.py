@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
