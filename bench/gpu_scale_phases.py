@@ -97,7 +97,6 @@ def loop_phase(args, model_dir: Path, partial: Path, phase: str = "loop") -> dic
         row["bench/train_tokens"] = sum(lens)  # prompt + mean response length per sample, as the HF phase counts
         passes = loop_passes(cfg.train.old_logprobs, cfg.num_steps_per_rollout, measures_routing(cfg.rollout, i))
         row["bench/mfu_passes"] = passes
-        rec["mfu_passes"] = statistics.mean(r["bench/mfu_passes"] for r in rec["steps"] + [row])
         row["bench/mfu"] = mfu(
             step_flops(arch, lens, passes) / sum(lens) * m["perf/actor_train_tok_per_s"], 1.0, args.peak_flops
         )

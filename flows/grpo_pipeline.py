@@ -300,19 +300,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     parser.add_argument("--debug", action="store_true", help="Show the traceback of an error (also VIME_DEBUG=1).")
     args = parser.parse_args(argv)
-    code, summary = run_flow_locally(
+    code, _ = run_flow_locally(
         lambda: load_config(args.config, args.overrides),
-        lambda cfg: grpo_pipeline(args.config, args.overrides),
+        lambda cfg: print_summary(cfg, grpo_pipeline(args.config, args.overrides)),
         debug=args.debug,
     )
-    if code:  # a user error printed its line; a stopped flow logged what was saved
-        return code
+    return code  # non-zero: a user error printed its line, or a stopped flow logged what was saved
+
+
+def print_summary(cfg: RunConfig, summary: dict[str, Any]) -> None:
     print("\n=== vime-flow pipeline summary ===")
     for k, v in summary.items():
         print(f"  {k}: {v:.4f}" if isinstance(v, float) else f"  {k}: {v}")
-    uri = tracking_target(load_config(args.config, args.overrides))[0]
+    uri = tracking_target(cfg)[0]
     print(redact(f"\nOpen the MLflow UI:  .venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"))
-    return 0
 
 
 if __name__ == "__main__":
