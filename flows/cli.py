@@ -12,13 +12,11 @@ from vime_core.errors import debug_requested, one_line, user_error
 from vime_core.stop import stop_on_signal, stop_signal
 
 Config = TypeVar("Config")
-Result = TypeVar("Result")
 
 
-def run_flow_locally(
-    load: Callable[[], Config], call: Callable[[Config], Result], debug: bool = False
-) -> tuple[int, Result | None]:
-    """`call(load())` with the process's temporary Prefect server: (0, its result), or (exit code, None).
+def run_flow_locally(load: Callable[[], Config], call: Callable[[Config], object], debug: bool = False) -> int:
+    """`call(load())` with the process's temporary Prefect server; the process's exit code (0 once `call` returns;
+    `call` prints what the user should see).
     `load` (the config, the arguments) runs before anything starts, so bad input costs no server start.
     A user error (VimeError, raised here or by an actor) prints one line and gives its exit code (2); `debug` or
     VIME_DEBUG=1 shows its traceback instead. Ctrl-C stops the flow through its cleanup (its own except/finally
@@ -32,14 +30,15 @@ def run_flow_locally(
         start_local_api()
         with stop_on_signal((signal.SIGINT,)):
             try:
-                return 0, call(cfg)
+                call(cfg)
+                return 0
             except BaseException as e:
                 if (signum := stop_signal(e)) is not None:
-                    return 128 + signum, None
+                    return 128 + signum
                 raise
     except Exception as e:
         user = user_error(e)
         if debug or debug_requested([]) or user is None:
             raise
         print(f"{one_line(user)}  (--debug shows the traceback)", file=sys.stderr)
-        return user.exit_code, None
+        return user.exit_code

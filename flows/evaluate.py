@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     parser.add_argument("--debug", action="store_true", help="Show the traceback of an error (also VIME_DEBUG=1).")
     args = parser.parse_args(argv)
-    code, _ = run_flow_locally(
+    code = run_flow_locally(
         lambda: load_config(args.config, args.overrides),
         lambda cfg: evaluate_checkpoint(args.model, args.config, args.overrides),
         debug=args.debug,

@@ -300,12 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     parser.add_argument("--debug", action="store_true", help="Show the traceback of an error (also VIME_DEBUG=1).")
     args = parser.parse_args(argv)
-    code, _ = run_flow_locally(
+    # non-zero: a user error printed its line, or a stopped flow logged what was saved
+    return run_flow_locally(
         lambda: load_config(args.config, args.overrides),
         lambda cfg: print_summary(cfg, grpo_pipeline(args.config, args.overrides)),
         debug=args.debug,
     )
-    return code  # non-zero: a user error printed its line, or a stopped flow logged what was saved
 
 
 def print_summary(cfg: RunConfig, summary: dict[str, Any]) -> None:
