@@ -19,8 +19,9 @@ a watchdog that kills the child's process tree, Ray and vLLM included):
          megatron's alltoall token dispatcher instead of allgather (MOE_LOOP_PHASES).
   vllm   raw vLLM on the same checkpoint, prompts (the loop's data buffer order), SamplingParams (same seeds, max
          tokens, processed log-probs), gpu_memory_utilization and max_model_len; no sleep mode, no Ray.
-  vllm_sleep  (diagnostic, not in the default --only) raw vLLM as the loop's engine runs: sleep mode on, asleep and
-         awake between steps; beside `vllm` it tells the sleep-mode allocator's cost from the loop's own.
+  vllm_sleep  (diagnostic, not in the default --only) raw vLLM as the loop's engine runs: sleep mode on, asleep at
+         the loop's sleep level between steps, woken as the loop wakes it (level 2: weights reloaded by vLLM from the
+         checkpoint); beside `vllm` it tells sleep mode's cost from the rest of the loop's.
   hf     transformers + SDPA, what a user writes in 60 lines: no-grad forward for old log-probs, forward + backward of
          a clipped token log-prob (PPO) loss, fused AdamW (bf16 params and states), micro-batches <= 9,216 tokens,
          right padding (causal, so pads do not touch real tokens and SDPA keeps its flash path), no recompute.

@@ -123,7 +123,8 @@ def loop_phase(args, model_dir: Path, partial: Path, phase: str = "loop") -> dic
 
 def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -> dict:
     """Raw vLLM. `sleep_mode` (phase `vllm_sleep`, a diagnostic): as the loop's engine runs, vLLM's sleep-mode
-    allocator on, and asleep (level 1) then awake between steps, still without Ray, a trainer or weight loads."""
+    allocator on, asleep between steps at the loop's `cluster.engine_sleep_level` and woken as the loop wakes it
+    (level 2: weights, then the checkpoint reloaded by vLLM itself, then the KV cache), without Ray or a trainer."""
     from vime_core.kv_cache import kv_cache_tokens
     from vime_core.platform import apply_offline_env
     from vime_core.router import request_seed, sampling_spec
@@ -146,13 +147,13 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
         "kv_cache_tokens": kv_cache_tokens(llm),  # beside the loop engine's (engine_info): a smaller cache preempts
         "seeded": not args.vllm_no_seed,
         "sleep_mode": sleep_mode,
+        "sleep_level": cfg.cluster.engine_sleep_level if sleep_mode else None,
         "steps": [],
     }
     spec = sampling_spec(cfg)
     for step, batch in enumerate(prompts):
         if sleep_mode and step:
-            llm.sleep(level=1)  # the loop's engine sleeps while its trainer works and wakes for the next rollout
-            llm.wake_up()
+            sleep_and_wake(llm, cfg.cluster.engine_sleep_level)
         params = [
             spec.vllm_params(seed=None if args.vllm_no_seed else request_seed(cfg.seed, step, 0, i))
             for i in range(len(batch))
@@ -167,6 +168,18 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
             flush=True,
         )
     return rec
+
+
+def sleep_and_wake(llm, level: int) -> None:
+    """The loop engine's cycle between two rollouts (vime_core.sync.weight_sync), less the trainer: level 2 drops
+    the weights, so they come back before the KV cache as the loop's push does, here from the checkpoint on disk."""
+    llm.sleep(level=level)
+    if level == 1:
+        llm.wake_up()
+        return
+    llm.wake_up(tags=["weights"])
+    llm.collective_rpc("reload_weights")
+    llm.wake_up(tags=["kv_cache"])
 
 
 def raw_engine_kwargs(cfg, model_dir: Path, sleep_mode: bool) -> dict:

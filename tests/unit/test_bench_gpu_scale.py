@@ -375,3 +375,29 @@ def test_history_keeps_one_row_per_run_and_one_header(tmp_path):
     lines = path.read_text().splitlines()
     assert len(lines) == 3 and lines[0].startswith("shape,response_len")
     assert ",8762.06," in lines[1] and ",9000.0," in lines[2]
+
+
+@pytest.mark.parametrize(
+    "level,calls",
+    [
+        (1, [("sleep", 1), ("wake_up", None)]),
+        (2, [("sleep", 2), ("wake_up", ["weights"]), ("rpc", "reload_weights"), ("wake_up", ["kv_cache"])]),
+    ],
+)
+def test_the_sleep_diagnostic_wakes_raw_vllm_as_the_loop_wakes_its_engine(level, calls):
+    """Level 2 drops the weights: waking the KV cache before they are back, or not reloading them, would time an
+    engine unlike the loop's (and sample from freed memory)."""
+    seen = []
+
+    class FakeLLM:
+        def sleep(self, level):
+            seen.append(("sleep", level))
+
+        def wake_up(self, tags=None):
+            seen.append(("wake_up", tags))
+
+        def collective_rpc(self, method):
+            seen.append(("rpc", method))
+
+    load_bench("gpu_scale_phases").sleep_and_wake(FakeLLM(), level)
+    assert seen == calls
