@@ -239,7 +239,9 @@ def results(dense_model_dir, moe_model_dir) -> dict:
 
 def test_fused_attention_matches_unfused_on_padded_batches(results):
     assert results["logit_scale"] > 1.0  # the comparison is on logits of a real size
-    assert results["padded_logits"] < 1e-5
+    # relative to the logits' scale: SDPA and the unfused path sum in different orders, so fp32 rounding differs by
+    # CPU kernel (2.2e-5 absolute at scale 13 on an AVX-512 EPYC), while a masking bug moves logits by O(1)
+    assert results["padded_logits"] < 1e-5 * results["logit_scale"]
 
 
 def test_packed_row_equals_each_sample_alone(results):
