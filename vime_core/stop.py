@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -29,6 +30,9 @@ def stop_on_signal(signals: tuple[int, ...] = STOPS) -> Iterator[list[int]]:
     def handler(signum, frame):
         if _caught:
             os._exit(128 + signum)
+        if in_finalizer(frame):
+            redeliver(signum)
+            return
         _caught.append(signum)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -39,6 +43,27 @@ def stop_on_signal(signals: tuple[int, ...] = STOPS) -> Iterator[list[int]]:
         for s, h in old.items():
             signal.signal(s, h)
         _caught.clear()  # read inside the block only: a later run in this process starts unstopped
+
+
+def in_finalizer(frame) -> bool:
+    """Whether the main thread is inside a `__del__` (the garbage collector runs them at any bytecode) or a weakref
+    callback: Python prints an exception raised there as "Exception ignored" and goes on, so a Ctrl-C raised in one
+    was lost and the run went on to the end (seen: asyncio's transport finalizer during an evaluation)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or code.co_filename.endswith("weakref.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def redeliver(signum: int) -> None:
+    """The signal again, to the main thread, once the finalizer it hit has returned: a real signal (not
+    `_thread.interrupt_main`) so that a blocking call in the main thread is interrupted as by the first one."""
+    main = threading.main_thread().ident
+    timer = threading.Timer(0.05, signal.pthread_kill, (main, signum))
+    timer.daemon = True  # a process already on its way out need not wait for it
+    timer.start()
 
 
 def stop_signal(e: BaseException | None = None) -> int | None:

@@ -46,6 +46,22 @@ def test_a_caught_signal_names_the_stop_whatever_error_follows_and_blocks_retrie
     assert signal.getsignal(signal.SIGINT) is before
 
 
+def test_a_signal_that_lands_in_a_finalizer_still_stops_the_run():
+    """An exception raised in `__del__` is printed and dropped: a Ctrl-C handled there used to be lost, and the
+    evaluation it was meant to stop ran to the end and exited 0."""
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)  # the handler runs here, inside the finalizer
+            time.sleep(0.01)
+
+    with stop_on_signal((signal.SIGINT,)) as caught:
+        with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+            Finalized()  # dropped at once: its __del__ runs
+            time.sleep(5)  # the signal comes again once the finalizer returned
+        assert caught == [signal.SIGINT]
+
+
 @pytest.mark.parametrize(
     "error, status, tag",
     [
