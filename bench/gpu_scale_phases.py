@@ -141,6 +141,7 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
     kwargs = raw_engine_kwargs(cfg, model_dir, sleep_mode)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
+    llm.collective_rpc("vime_gc")  # the worker's GC clock, as the loop's engine starts it (vime_core/engine_gc.py)
     rec: dict = {
         "engine_kwargs": {k: str(v) for k, v in kwargs.items()},
         "start_s": time.perf_counter() - t0,
@@ -160,6 +161,7 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
         ]
         llm.reset_prefix_cache()  # as the loop does at every step
         rec["steps"].append(timed_generate(llm, batch, params))
+        rec["steps"][-1]["engine_gc"] = llm.collective_rpc("vime_gc")[0]  # totals so far, read outside the timing
         partial.write_text(json.dumps(rec, default=str))
         row = rec["steps"][-1]
         print(
@@ -183,8 +185,8 @@ def sleep_and_wake(llm, level: int) -> None:
 
 
 def raw_engine_kwargs(cfg, model_dir: Path, sleep_mode: bool) -> dict:
-    """vLLM's `LLM` arguments as the loop's engine gets them (vime_core.rollout.engine_kwargs), without the
-    weight-sync extension."""
+    """vLLM's `LLM` arguments as the loop's engine gets them (vime_core.rollout.engine_kwargs). Its worker extension
+    stays: it only adds methods, of which raw vLLM calls `vime_gc` (the GC clock) and never the weight door."""
     from vime_core.rollout import EngineOptions, engine_kwargs
 
     kwargs = engine_kwargs(
@@ -201,7 +203,6 @@ def raw_engine_kwargs(cfg, model_dir: Path, sleep_mode: bool) -> dict:
             extra=dict(cfg.rollout.vllm_kwargs),  # `--set rollout.vllm_kwargs.x=y` reaches both phases
         )
     )
-    kwargs.pop("worker_extension_cls", None)
     return kwargs
 
 

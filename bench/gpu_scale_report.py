@@ -274,7 +274,7 @@ def summarize(doc: dict) -> dict:
         # phase hf_detached, a diagnostic: the transformers step without its old-log-prob forward, as the loop runs
         "hf_detached_tok_s": median_after_first(matched_steps(trainer, col("hf_detached", "tok_s"))[1]),
     }
-    s["kv_cache_tokens"] = kv_cache_tokens(doc)
+    s.update(kv_cache_tokens=kv_cache_tokens(doc), engine_gc_s=engine_gc_seconds(ph))
     # the steps the loop finished (a watchdog or a crash can cut it short of the header's `steps`), and why it stopped
     s["loop_steps_run"] = len(ph["loop"].get("steps", [])) if "loop" in ph else None
     s["loop_error"] = ph.get("loop", {}).get("error")
@@ -370,6 +370,21 @@ def kv_cache_tokens(doc: dict) -> dict:
     }
 
 
+def engine_gc_seconds(ph: dict) -> dict:
+    """Seconds vLLM's worker process spent in garbage collections (vime_core/engine_gc.py) over the whole phase,
+    every generation: the loop's engine from its `engine_info` at the end, raw vLLM from its last step's record. A
+    full collection scans every object made after vLLM froze its heap, so a count that grows with the steps shows up
+    here before it shows in tok/s. None where a phase did not record it."""
+    loop = [i.get("engine_gc") for i in ph.get("loop", {}).get("engine_info", [])]
+    raw = {name: (ph.get(name, {}).get("steps") or [{}])[-1].get("engine_gc") for name in ("vllm", "vllm_sleep")}
+    total = lambda r: round(sum(r["gc_seconds"]), 3) if r else None  # noqa: E731
+    return {
+        "loop_engine": max(total(r) or 0.0 for r in loop) if loop and None not in loop else None,
+        "raw_vllm": total(raw["vllm"]),
+        "raw_vllm_sleep_mode": total(raw["vllm_sleep"]),
+    }
+
+
 SUMMARY_KEYS = {
     "rollout_tok_per_gpu_s",
     "raw_vllm_tok_s",
@@ -397,6 +412,7 @@ SUMMARY_KEYS = {
     "hf_detached_tok_s",
     "trainer_peak_source",
     "kv_cache_tokens",
+    "engine_gc_s",
     "loop_steps_run",
     "loop_error",
     "ratios",

@@ -189,6 +189,7 @@ class VLLMEngine:
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.start_seconds = time.perf_counter() - t0
+        self.llm.collective_rpc("vime_gc")  # start the worker's GC clock (info()'s `engine_gc`), after vLLM's freeze
         self.tokenizer = self.llm.get_tokenizer()
         self._beat_per_step(Heartbeat(opts.name))
         self.custom_generate = None
@@ -277,6 +278,7 @@ class VLLMEngine:
             "node_id": ray_node_id(),
             "kv_cache_tokens": kv_cache_tokens(self.llm),
             "max_num_seqs": max_num_seqs(self.llm),
+            "engine_gc": self.llm.collective_rpc("vime_gc")[0],  # collection pauses in the worker (engine_gc.py)
         }
 
     def reset_prefix_cache(self) -> None:

@@ -1,10 +1,12 @@
 """`VLLMWorkerExtension` is mixed into vLLM's worker (`worker_extension_cls`, see rollout.engine_kwargs), so its
-method runs next to the model, called through `collective_rpc` by `VLLMEngine.weights`. It is the worker's one door
-for weights: it runs an op of the named transport's receiver (vime_core/sync/<transport>.py), one receiver per
-transport and worker (the NCCL one keeps its group between pushes)."""
+methods run next to the model, called through `collective_rpc`. `vime_weights` (from `VLLMEngine.weights`) is the
+worker's one door for weights: it runs an op of the named transport's receiver (vime_core/sync/<transport>.py), one
+receiver per transport and worker (the NCCL one keeps its group between pushes). `vime_gc` reads the worker
+process's garbage-collector clock (vime_core/engine_gc.py), started by its first call."""
 
 from __future__ import annotations
 
+from vime_core.engine_gc import worker_gc_clock
 from vime_core.sync.weight_sync import transport_class
 
 
@@ -16,3 +18,6 @@ class VLLMWorkerExtension:
         if transport not in receivers:
             receivers[transport] = transport_class(transport).receiver(self)
         return receivers[transport].call(op, *args)
+
+    def vime_gc(self) -> dict:
+        return worker_gc_clock(self).report()
