@@ -16,6 +16,10 @@ from typing import Iterator
 
 STOPS = (signal.SIGINT, signal.SIGTERM)
 
+# A signal that lands in a finalizer comes again 50 ms later, at most this many times (~2 s): a `__del__` that
+# blocks must not make Ctrl-C wait for it forever
+MAX_DEFERRALS = 40
+
 # The signal stop_on_signal caught in this process, if any: read by the pipeline's retry condition, since a Ctrl-C
 # also reaches the actors and one of them may die of it first (an ordinary error, which would be retried).
 _caught: list[int] = []
@@ -27,10 +31,13 @@ def stop_on_signal(signals: tuple[int, ...] = STOPS) -> Iterator[list[int]]:
     the signal's number. A second signal during that cleanup ends the process at once (the orphan watchdog still
     stops Ray's processes)."""
 
+    deferred = [0]
+
     def handler(signum, frame):
         if _caught:
             os._exit(128 + signum)
-        if in_finalizer(frame):
+        if in_finalizer(frame) and deferred[0] < MAX_DEFERRALS:
+            deferred[0] += 1
             redeliver(signum)
             return
         _caught.append(signum)

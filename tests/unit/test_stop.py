@@ -14,6 +14,7 @@ from prefect.states import Failed
 
 from flows.grpo_pipeline import fail_tracking
 from tasks.common import is_transient
+from vime_core import stop
 from vime_core.stop import stop_on_signal, stop_signal
 
 
@@ -59,6 +60,22 @@ def test_a_signal_that_lands_in_a_finalizer_still_stops_the_run():
         with pytest.raises(KeyboardInterrupt, match="SIGINT"):
             Finalized()  # dropped at once: its __del__ runs
             time.sleep(5)  # the signal comes again once the finalizer returned
+        assert caught == [signal.SIGINT]
+
+
+def test_a_finalizer_that_blocks_defers_the_signal_only_so_long(monkeypatch):
+    """Past the cap the signal is taken where it lands: Python drops that KeyboardInterrupt, but the stop is recorded,
+    so the run's retry condition sees it and a second Ctrl-C ends the process at once."""
+    monkeypatch.setattr(stop, "MAX_DEFERRALS", 3)
+
+    class Blocking:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100):  # ~1 s: 20 redeliveries' worth, more than the cap
+                time.sleep(0.01)
+
+    with stop_on_signal((signal.SIGINT,)) as caught:
+        Blocking()
         assert caught == [signal.SIGINT]
 
 
