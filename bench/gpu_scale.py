@@ -288,11 +288,13 @@ def print_summary(doc: dict) -> None:
         flush=True,
     )
     stopped = f" ({doc['loop_error']})" if doc.get("loop_error") else ""
+    gc_s = doc.get("engine_gc_s") or {}
     print(
         f"[gpu_scale] step parts: rollout {f(doc['rollout_s'], 1)}s, train {f(doc['train_s'], 1)}s (optimizer step "
         f"{f(doc['optimizer_step_s'], 2)}s), offload {f(doc['offload_s'], 2)}s, onload {f(doc['onload_s'], 2)}s, sync "
         f"{f(doc['sync_s'], 2)}s | host peak {f(doc['host_peak_gib'], 1)} GiB | loop steps run "
-        f"{f(doc.get('loop_steps_run'))} of {doc['steps']}{stopped}",
+        f"{f(doc.get('loop_steps_run'))} of {doc['steps']}{stopped} | engine GC loop {f(gc_s.get('loop_engine'), 2)}s, "
+        f"raw {f(gc_s.get('raw_vllm'), 2)}s, sleep {f(gc_s.get('raw_vllm_sleep_mode'), 2)}s",
         flush=True,
     )
     if "sequential_mlp_tok_s" in doc:

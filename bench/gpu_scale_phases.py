@@ -166,7 +166,7 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
         row = rec["steps"][-1]
         print(
             f"[vllm{'_sleep' if sleep_mode else ''}] step {step}: {row['seconds']:.1f}s {row['tok_s']:,.0f} tok/s "
-            f"({row['samples']} samples)",
+            f"({row['samples']} samples; engine GC so far {sum(row['engine_gc']['gc_seconds']):.2f}s)",
             flush=True,
         )
     return rec
