@@ -375,13 +375,13 @@ def engine_gc_seconds(ph: dict) -> dict:
     every generation: the loop's engine from its `engine_info` at the end, raw vLLM from its last step's record. A
     full collection scans every object made after vLLM froze its heap, so a count that grows with the steps shows up
     here before it shows in tok/s. None where a phase did not record it."""
-    loop = [i.get("engine_gc") for i in ph.get("loop", {}).get("engine_info", [])]
-    raw = {name: (ph.get(name, {}).get("steps") or [{}])[-1].get("engine_gc") for name in ("vllm", "vllm_sleep")}
     total = lambda r: round(sum(r["gc_seconds"]), 3) if r else None  # noqa: E731
+    last_step = lambda name: (ph.get(name, {}).get("steps") or [{}])[-1].get("engine_gc")  # noqa: E731
+    loop = [total(i.get("engine_gc")) for i in ph.get("loop", {}).get("engine_info", [])]
     return {
-        "loop_engine": max(total(r) or 0.0 for r in loop) if loop and None not in loop else None,
-        "raw_vllm": total(raw["vllm"]),
-        "raw_vllm_sleep_mode": total(raw["vllm_sleep"]),
+        "loop_engine": max(loop) if loop and None not in loop else None,
+        "raw_vllm": total(last_step("vllm")),
+        "raw_vllm_sleep_mode": total(last_step("vllm_sleep")),
     }
 
 

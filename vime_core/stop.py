@@ -31,13 +31,14 @@ def stop_on_signal(signals: tuple[int, ...] = STOPS) -> Iterator[list[int]]:
     the signal's number. A second signal during that cleanup ends the process at once (the orphan watchdog still
     stops Ray's processes)."""
 
-    deferred = [0]
+    deferred = 0
 
     def handler(signum, frame):
+        nonlocal deferred
         if _caught:
             os._exit(128 + signum)
-        if in_finalizer(frame) and deferred[0] < MAX_DEFERRALS:
-            deferred[0] += 1
+        if in_finalizer(frame) and deferred < MAX_DEFERRALS:
+            deferred += 1
             redeliver(signum)
             return
         _caught.append(signum)
