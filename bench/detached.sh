@@ -8,6 +8,8 @@
 # machine taken back mid-call returns nothing of that call.
 # Every phase gets a 600 s watchdog; a line's own --phase-timeout-s wins (argparse keeps the last): 8B's loop needs
 # ~720 s for 3 steps (start 140 s, then ~130 s a step), so pass "--phase-timeout-s 900" on its line.
+# A variant of a phase (say, the loop under --set) writes its own file: end its line with
+#   --out /tmp/vime-detached/out-NAME --copy-to /tmp/vime-detached/res/NAME   (polls bring res/NAME/ back too)
 # The runs work from a copy of the checkout (a device call replaces the checkout it runs in) and write under $ROOT.
 # ../shared/gpu/INSTALL.sh must have run on the machine (it writes /tmp/site-env.sh).
 set -u
@@ -37,6 +39,9 @@ case "${1:-}" in
     snap() {
       mkdir -p "$OUT" && cp -f "$ROOT"/res/*.json "$ROOT/res/progress.txt" "$OUT"/ 2>/dev/null
       for f in "$ROOT"/res/*.log; do [ -e "$f" ] && tail -c 60000 "$f" > "$OUT/$(basename "$f")"; done
+      for d in "$ROOT"/res/*/; do  # a line's own --copy-to under res/ (a variant beside the main result file)
+        [ -d "$d" ] && mkdir -p "$OUT/$(basename "$d")" && cp -f "$d"*.json "$OUT/$(basename "$d")/" 2>/dev/null
+      done
     }
     while [ $(( $(date +%s) - t0 )) -lt "$limit" ] && [ ! -e "$ROOT/res/DONE" ]; do snap; sleep 20; done
     snap; cat "$ROOT/res/progress.txt" 2>/dev/null
