@@ -160,8 +160,13 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
             for i in range(len(batch))
         ]
         llm.reset_prefix_cache()  # as the loop does at every step
+        sample_ms = cfg.rollout.engine_stack_sample_ms  # as the loop's engine samples its stacks (stack_sampler.py)
+        if sample_ms:
+            llm.collective_rpc("vime_stacks", args=("start", sample_ms))
         rec["steps"].append(timed_generate(llm, batch, params))
         rec["steps"][-1]["engine_gc"] = llm.collective_rpc("vime_gc")[0]  # totals so far, read outside the timing
+        if sample_ms:
+            rec["steps"][-1]["engine_stacks"] = llm.collective_rpc("vime_stacks", args=("stop",))[0]
         partial.write_text(json.dumps(rec, default=str))
         row = rec["steps"][-1]
         print(

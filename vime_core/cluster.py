@@ -419,6 +419,7 @@ def engine_specs(cfg: RunConfig, p: Placement, platform: str, model_path: str) -
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             cpu_kv_cache_gib=cfg.rollout.cpu_kv_cache_gib,
             enforce_eager=cfg.rollout.enforce_eager,
+            stack_sample_ms=cfg.rollout.engine_stack_sample_ms,
             custom_generate=cfg.rollout.custom_generate,
             routing_replay=cfg.rollout.routing_replay,
             sleep_mode=p.engines_sleep,

@@ -16,6 +16,7 @@ returns a `Generation`. Concurrent calls of all samples are batched into one vLL
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import difflib
 import logging
@@ -33,6 +34,7 @@ from vime_core.progress import Heartbeat
 from vime_core.sample import Sample
 
 log = logging.getLogger(__name__)
+STACK_REPORTS = 8  # stack-sample reports an engine keeps (one per generate call): a run's last rollouts
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.5
     cpu_kv_cache_gib: float = 1.0
     enforce_eager: bool = False
+    stack_sample_ms: float = 0.0  # rollout.engine_stack_sample_ms: sample the engine's stacks in each generate
     custom_generate: str | None = None
     routing_replay: bool = False  # return each token's routed experts (rollout.routing_replay)
     sleep_mode: bool = False  # colocated GPU engines release their memory while the trainer works
@@ -196,6 +199,7 @@ class VLLMEngine:
         if opts.custom_generate:
             self.custom_generate = load_custom_generate(opts.custom_generate)
         self.cache_stale = False  # weights changed since the prefix cache was filled: `generate` drops it first
+        self.stack_reports: list[dict] = []
         log.info("vLLM engine up in %.1fs (%s, %s)", self.start_seconds, opts.model_path, opts.dtype)
 
     def _beat_per_step(self, heartbeat: Heartbeat) -> None:
@@ -229,11 +233,26 @@ class VLLMEngine:
             return run_sync(self._generate_custom(requests, spec))
         prompts = [{"prompt_token_ids": r.template.prompt_ids} for r in requests]
         params = [spec.vllm_params(seed=r.seed) for r in requests]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        with self.stack_samples():
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
         groups = []
         for req, p, out in zip(requests, params, outputs):
             groups.append([_fill(req.template, self._generation(c, p)) for c in out.outputs])
         return groups
+
+    @contextlib.contextmanager
+    def stack_samples(self):
+        """With `stack_sample_ms`, the engine process's stacks are sampled during the block; the last
+        STACK_REPORTS reports stay for `info()`."""
+        if not self.opts.stack_sample_ms:
+            yield
+            return
+        self.llm.collective_rpc("vime_stacks", args=("start", self.opts.stack_sample_ms))
+        try:
+            yield
+        finally:
+            self.stack_reports = [*self.stack_reports, self.llm.collective_rpc("vime_stacks", args=("stop",))[0]]
+            self.stack_reports = self.stack_reports[-STACK_REPORTS:]
 
     def _generate_batch(self, items: list[tuple[list[int], Any]]) -> list[Generation]:
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in items], [p for _, p in items], use_tqdm=False)
@@ -279,6 +298,7 @@ class VLLMEngine:
             "kv_cache_tokens": kv_cache_tokens(self.llm),
             "max_num_seqs": max_num_seqs(self.llm),
             "engine_gc": self.llm.collective_rpc("vime_gc")[0],  # collection pauses in the worker (engine_gc.py)
+            "engine_stacks": self.stack_reports,  # with rollout.engine_stack_sample_ms (stack_sampler.py)
         }
 
     def reset_prefix_cache(self) -> None:

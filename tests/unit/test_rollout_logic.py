@@ -348,8 +348,9 @@ def test_an_engine_drops_its_prefix_cache_before_sampling_after_a_weights_op_or_
         collective_rpc=lambda method, args: log.append(args[:2]) or [3],
         generate=lambda prompts, params, use_tqdm: log.append("generate") or [],
     )
-    engine = SimpleNamespace(llm=llm, cache_stale=False, custom_generate=None)
+    engine = SimpleNamespace(llm=llm, cache_stale=False, custom_generate=None, opts=SimpleNamespace(stack_sample_ms=0))
     engine.reset_prefix_cache = lambda: VLLMEngine.reset_prefix_cache(engine)
+    engine.stack_samples = lambda: VLLMEngine.stack_samples(engine)
     spec = SamplingSpec(1, 1.0, 1.0, -1, 8)
 
     def generate(cold=False):
@@ -362,6 +363,27 @@ def test_an_engine_drops_its_prefix_cache_before_sampling_after_a_weights_op_or_
     assert generate() == ["reset", "generate"] and not engine.cache_stale  # KV of the old weights never served
     assert generate() == ["generate"]
     assert generate(cold=True) == ["reset", "generate"]  # a rollout step's first call
+
+
+def test_an_engine_samples_its_stacks_around_each_generate_call_when_asked(monkeypatch):
+    import vime_core.rollout as rollout
+
+    monkeypatch.setattr(rollout, "STACK_REPORTS", 2)
+    log = []
+
+    def rpc(method, args):
+        log.append((method, *args))
+        return [{"call": len(log)}] if args[0] == "stop" else [None]
+
+    llm = SimpleNamespace(collective_rpc=rpc, generate=lambda prompts, params, use_tqdm: log.append("generate") or [])
+    engine = SimpleNamespace(
+        llm=llm, cache_stale=False, custom_generate=None, opts=SimpleNamespace(stack_sample_ms=5.0), stack_reports=[]
+    )
+    engine.stack_samples = lambda: rollout.VLLMEngine.stack_samples(engine)
+    for _ in range(3):
+        rollout.VLLMEngine.generate(engine, [], SamplingSpec(1, 1.0, 1.0, -1, 8))
+    assert log[:3] == [("vime_stacks", "start", 5.0), "generate", ("vime_stacks", "stop")]
+    assert engine.stack_reports == [{"call": 6}, {"call": 9}]  # the last STACK_REPORTS calls'
 
 
 def test_a_cold_cache_generate_resets_the_engines_given_no_group_too(monkeypatch):

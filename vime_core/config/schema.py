@@ -114,6 +114,17 @@ class RolloutConfig(Section):
     ] = 0.5
     cpu_kv_cache_gib: Annotated[float, FREE, Field(gt=0.0, le=512, description="KV cache size on CPU, GiB.")] = 1.0
     enforce_eager: Annotated[bool, FREE, Field(description="Disable CUDA graphs / compilation in vLLM.")] = False
+    engine_stack_sample_ms: Annotated[
+        float,
+        FREE,
+        Field(
+            ge=0.0,
+            le=1000.0,
+            description="A diagnostic of slow rollouts: above 0, each engine samples its process's Python stacks "
+            "this often (ms) during every generate call and reports the hottest functions per thread in its info "
+            "(`engine_stacks`; vime_core/stack_sampler.py). Costs ~1% of decoding at 10 ms. 0: off.",
+        ),
+    ] = 0.0
     vllm_kwargs: Annotated[
         dict[str, Any],
         FREE,

@@ -2,11 +2,13 @@
 methods run next to the model, called through `collective_rpc`. `vime_weights` (from `VLLMEngine.weights`) is the
 worker's one door for weights: it runs an op of the named transport's receiver (vime_core/sync/<transport>.py), one
 receiver per transport and worker (the NCCL one keeps its group between pushes). `vime_gc` reads the worker
-process's garbage-collector clock (vime_core/engine_gc.py), started by its first call."""
+process's garbage-collector clock (vime_core/engine_gc.py), started by its first call; `vime_stacks` starts and
+stops its stack sampler (vime_core/stack_sampler.py)."""
 
 from __future__ import annotations
 
 from vime_core.engine_gc import worker_gc_clock
+from vime_core.stack_sampler import worker_stacks
 from vime_core.sync.weight_sync import transport_class
 
 
@@ -21,3 +23,6 @@ class VLLMWorkerExtension:
 
     def vime_gc(self) -> dict:
         return worker_gc_clock(self).report()
+
+    def vime_stacks(self, op: str, interval_ms: float = 10.0) -> dict | None:
+        return worker_stacks(self, op, interval_ms)

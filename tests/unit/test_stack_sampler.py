@@ -1,0 +1,68 @@
+"""vime_core/stack_sampler.py: the in-process stack sampler a vLLM worker runs through `vime_stacks`."""
+
+import threading
+import time
+
+import pytest
+
+from vime_core.stack_sampler import StackSampler, shares, worker_stacks
+
+
+def spin_in_a_named_function(seconds: float) -> int:
+    end, n = time.perf_counter() + seconds, 0
+    while time.perf_counter() < end:
+        n += 1
+    return n
+
+
+def test_a_busy_function_dominates_its_threads_samples():
+    sampler = StackSampler(0.002).start()
+    spin_in_a_named_function(0.4)
+    report = sampler.stop()
+    main = report["threads"][threading.main_thread().name]
+    assert main["samples"] >= 20
+    inclusive = dict(main["inclusive"])
+    assert inclusive["test_stack_sampler.py:spin_in_a_named_function"] > 0.8
+    assert "vime-stack-sampler" not in report["threads"]  # the sampler does not sample itself
+    assert not sampler.thread.is_alive()
+
+
+def test_a_recursive_function_counts_once_per_sample():
+    sampler = StackSampler(1.0)
+
+    def down(k, frame_holder):
+        if k == 0:
+            import sys
+
+            frame_holder.append(sys._getframe())
+            return
+        down(k - 1, frame_holder)
+
+    held: list = []
+    down(5, held)
+    sampler.record("t", held[0])
+    counts = dict(sampler.report()["threads"]["t"]["inclusive"])
+    assert counts["test_stack_sampler.py:down"] == 1.0
+
+
+def test_shares_are_fractions_of_the_thread_total_largest_first():
+    from collections import Counter
+
+    assert shares(Counter({"a": 1, "b": 3}), 4) == [["b", 0.75], ["a", 0.25]]
+
+
+def test_a_worker_starts_and_stops_one_sampler():
+    class Worker:
+        pass
+
+    worker = Worker()
+    assert worker_stacks(worker, "stop") is None  # nothing ran yet
+    assert worker_stacks(worker, "start", 1.0) is None
+    first = worker.__dict__["_vime_stack_sampler"]
+    worker_stacks(worker, "start", 1.0)  # a second start replaces (and stops) the first
+    assert not first.thread.is_alive()
+    spin_in_a_named_function(0.05)
+    report = worker_stacks(worker, "stop")
+    assert report["interval_s"] == 0.001 and report["threads"]
+    with pytest.raises(ValueError, match="'start' or 'stop'"):
+        worker_stacks(worker, "pause")

@@ -1,0 +1,101 @@
+"""Where a CPU-bound engine process spends its time: a sampling profiler of its Python stacks, by thread.
+
+A small model decodes in a few milliseconds of GPU work a step, so vLLM's engine core is bound by its own Python
+(scheduling, input preparation, sampling, output encoding) and a slower rollout is a slower loop somewhere there.
+Tools like py-spy need ptrace rights the machines may not grant; this runs inside the process instead, started and
+stopped through the worker extension (`vime_stacks`, vime_core/sync/worker.py) around one generate call when
+`rollout.engine_stack_sample_ms` is set. A sample costs the engine the GIL for the walk of every thread's frames
+(tens of microseconds), so the default interval keeps the overhead near 1%."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections import Counter
+from types import CodeType, FrameType
+
+TOP = 25  # functions reported per thread and kind: enough to see the hot path, small enough for a result file
+
+
+class StackSampler:
+    """A daemon thread that counts, every `interval_s`, each thread's leaf function (`self`) and every function on
+    its stack once (`inclusive`), keyed `file.py:function`; `report()` gives the top ones per thread name."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.samples: Counter[str] = Counter()
+        self.leaf: dict[str, Counter[str]] = {}
+        self.inclusive: dict[str, Counter[str]] = {}
+        self.keys: dict[CodeType, str] = {}  # code object -> key: a sample formats each function once per run
+        self.halt = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="vime-stack-sampler", daemon=True)
+
+    def start(self) -> StackSampler:
+        self.thread.start()
+        return self
+
+    def stop(self) -> dict:
+        self.halt.set()
+        self.thread.join(timeout=5.0)
+        return self.report()
+
+    def run(self) -> None:
+        me = threading.get_ident()
+        while not self.halt.wait(self.interval_s):
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident != me:
+                    self.record(names.get(ident, str(ident)), frame)
+
+    def record(self, thread: str, frame: FrameType | None) -> None:
+        self.samples[thread] += 1
+        seen: set[str] = set()
+        leaf = True
+        while frame is not None:
+            key = self.key(frame.f_code)
+            if leaf:
+                self.leaf.setdefault(thread, Counter())[key] += 1
+                leaf = False
+            if key not in seen:  # a recursive function counts once per sample
+                seen.add(key)
+                self.inclusive.setdefault(thread, Counter())[key] += 1
+            frame = frame.f_back
+
+    def key(self, code: CodeType) -> str:
+        key = self.keys.get(code)
+        if key is None:
+            key = self.keys[code] = f"{os.path.basename(code.co_filename)}:{code.co_name}"
+        return key
+
+    def report(self) -> dict:
+        """{"interval_s", "threads": {name: {"samples", "self": [[key, share]...], "inclusive": [...]}}}, shares of
+        that thread's samples, largest first."""
+        threads = {
+            name: {
+                "samples": n,
+                "self": shares(self.leaf.get(name, Counter()), n),
+                "inclusive": shares(self.inclusive.get(name, Counter()), n),
+            }
+            for name, n in self.samples.most_common()
+        }
+        return {"interval_s": self.interval_s, "threads": threads}
+
+
+def shares(counts: Counter[str], total: int) -> list[list]:
+    """The TOP keys of `counts` as [key, share of `total`], largest first."""
+    return [[k, round(v / total, 4)] for k, v in counts.most_common(TOP)]
+
+
+def worker_stacks(holder: object, op: str, interval_ms: float = 10.0) -> dict | None:
+    """`start` a sampler kept on `holder` (the vLLM worker) or `stop` it and return its report (None if none ran)."""
+    if op == "start":
+        old = holder.__dict__.pop("_vime_stack_sampler", None)
+        if old is not None:
+            old.stop()
+        holder.__dict__["_vime_stack_sampler"] = StackSampler(interval_ms / 1000.0).start()
+        return None
+    if op == "stop":
+        sampler = holder.__dict__.pop("_vime_stack_sampler", None)
+        return sampler.stop() if sampler is not None else None
+    raise ValueError(f"vime_stacks takes 'start' or 'stop', not {op!r}")
