@@ -163,12 +163,12 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
         sample_ms = cfg.rollout.engine_stack_sample_ms  # as the loop's engine samples its stacks (stack_sampler.py)
         if sample_ms:
             llm.collective_rpc("vime_stacks", args=("start", sample_ms))
-        rec["steps"].append(timed_generate(llm, batch, params))
-        rec["steps"][-1]["engine_gc"] = llm.collective_rpc("vime_gc")[0]  # totals so far, read outside the timing
-        if sample_ms:
-            rec["steps"][-1]["engine_stacks"] = llm.collective_rpc("vime_stacks", args=("stop",))[0]
+        row = timed_generate(llm, batch, params)
+        if sample_ms:  # stopped first: the GC read below walks the heap, which is not the generate call's time
+            row["engine_stacks"] = llm.collective_rpc("vime_stacks", args=("stop",))[0]
+        row["engine_gc"] = llm.collective_rpc("vime_gc")[0]  # totals so far, read outside the timing
+        rec["steps"].append(row)
         partial.write_text(json.dumps(rec, default=str))
-        row = rec["steps"][-1]
         print(
             f"[vllm{'_sleep' if sleep_mode else ''}] step {step}: {row['seconds']:.1f}s {row['tok_s']:,.0f} tok/s "
             f"({row['samples']} samples; engine GC so far {sum(row['engine_gc']['gc_seconds']):.2f}s)",
