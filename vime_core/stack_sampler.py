@@ -10,8 +10,10 @@ stopped through the worker extension (`vime_stacks`, vime_core/sync/worker.py) a
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import threading
+import time
 from collections import Counter
 from types import CodeType, FrameType
 
@@ -32,13 +34,16 @@ class StackSampler:
         self.thread = threading.Thread(target=self.run, name="vime-stack-sampler", daemon=True)
 
     def start(self) -> StackSampler:
+        self.usage_at_start = process_usage()
         self.thread.start()
         return self
 
     def stop(self) -> dict:
         self.halt.set()
         self.thread.join(timeout=5.0)
-        return self.report()
+        end = process_usage()
+        usage = {k: round(end[k] - self.usage_at_start[k], 4) for k in end}
+        return {**self.report(), "usage": usage, "cpus_allowed": len(os.sched_getaffinity(0))}
 
     def run(self) -> None:
         me = threading.get_ident()
@@ -80,6 +85,21 @@ class StackSampler:
             for name, n in self.samples.most_common()
         }
         return {"interval_s": self.interval_s, "threads": threads}
+
+
+def process_usage() -> dict[str, float]:
+    """This process's clocks and counters (getrusage): CPU seconds beside wall seconds tell a process that waited
+    from one that worked; page faults and involuntary context switches tell memory or CPU contention."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "wall_s": time.perf_counter(),
+        "user_s": r.ru_utime,
+        "sys_s": r.ru_stime,
+        "minor_faults": r.ru_minflt,
+        "major_faults": r.ru_majflt,
+        "voluntary_switches": r.ru_nvcsw,
+        "involuntary_switches": r.ru_nivcsw,
+    }
 
 
 def shares(counts: Counter[str], total: int) -> list[list]:

@@ -25,6 +25,9 @@ def test_a_busy_function_dominates_its_threads_samples():
     assert inclusive["test_stack_sampler.py:spin_in_a_named_function"] > 0.8
     assert "vime-stack-sampler" not in report["threads"]  # the sampler does not sample itself
     assert not sampler.thread.is_alive()
+    usage = report["usage"]  # the spin is CPU work: user seconds near its wall seconds
+    assert usage["wall_s"] >= 0.4 and usage["user_s"] + usage["sys_s"] > 0.2
+    assert report["cpus_allowed"] >= 1
 
 
 def test_a_recursive_function_counts_once_per_sample():
