@@ -1,7 +1,9 @@
 """Where a CPU-bound engine process spends its time: a sampling profiler of its Python stacks, by thread.
 
 A small model decodes in a few milliseconds of GPU work a step, so vLLM's engine core is bound by its own Python
-(scheduling, input preparation, sampling, output encoding) and a slower rollout is a slower loop somewhere there.
+(scheduling, input preparation, sampling, output encoding): a new cost shows as a new function in the stacks, and
+the same functions taking longer, with the process's CPU seconds equal to its wall seconds, point below Python (kernel
+launches, a spinning wait for the GPU).
 Tools like py-spy need ptrace rights the machines may not grant; this runs inside the process instead, started and
 stopped through the worker extension (`vime_stacks`, vime_core/sync/worker.py) around one generate call when
 `rollout.engine_stack_sample_ms` is set. A sample costs the engine the GIL for the walk of every thread's frames
@@ -30,6 +32,7 @@ class StackSampler:
         self.leaf: dict[str, Counter[str]] = {}
         self.inclusive: dict[str, Counter[str]] = {}
         self.keys: dict[CodeType, str] = {}  # code object -> key: a sample formats each function once per run
+        self.usage_at_start: dict[str, float] = {}
         self.halt = threading.Event()
         self.thread = threading.Thread(target=self.run, name="vime-stack-sampler", daemon=True)
 
