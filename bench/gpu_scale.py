@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "gpu-scale"  # where measured runs land (and are committed)
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -337,6 +338,9 @@ def dry_run(args) -> int:
     """CPU, tiny shape (tiny-moe for an MoE shape), seconds: argument handling, checkpoint and config building, the
     hf phases (hf_eager too for the MoE), result writing."""
     args.shape, args.device = ("tiny-moe" if is_moe_shape(args.shape) else "tiny"), "cpu"
+    if Path(args.out) == RESULTS:  # a smoke run's files are no measurement: kept out of the committed results
+        args.out = str(Path(args.cache) / "dry-run")
+        Path(args.out).mkdir(parents=True, exist_ok=True)
     model_dir = model_path(args)
     if not (model_dir / "config.json").is_file():
         model_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -375,7 +379,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--response-len", type=int, default=4096)
     p.add_argument("--steps", type=int, default=3, help="rollout steps per phase; medians skip the first")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "gpu-scale"))
+    p.add_argument("--out", default=str(RESULTS), help="result dir (a --dry-run's default: CACHE/dry-run)")
     p.add_argument(
         "--only",
         default="build,loop,vllm,hf",

@@ -401,3 +401,11 @@ def test_the_sleep_diagnostic_wakes_raw_vllm_as_the_loop_wakes_its_engine(level,
 
     load_bench("gpu_scale_phases").sleep_and_wake(FakeLLM(), level)
     assert seen == calls
+
+
+def test_a_dry_run_without_out_keeps_its_files_out_of_the_committed_results(gs, tmp_path):
+    before = sorted(p.name for p in gs.RESULTS.glob("*"))
+    argv = ["--dry-run", "--prompts", "1", "--samples", "2", "--response-len", "4", "--steps", "1"]
+    assert gs.main([*argv, "--cache", str(tmp_path / "cache")]) == 0
+    assert (tmp_path / "cache" / "dry-run" / "tiny-4.json").is_file()
+    assert sorted(p.name for p in gs.RESULTS.glob("*")) == before
