@@ -44,7 +44,8 @@ def test_a_signal_says_what_was_saved_and_exits_128_plus_it(tmp_path, sig, whole
     assert found, text[-3000:]
     state = json.loads((Path(found.group(1)) / "state.json").read_text())
     assert state["rollout_id"] + 1 == int(found.group(2))
-    assert "Traceback" not in text and "Aborted" not in text
+    tb = text.find("Traceback")  # on failure, show the traceback itself: which process printed it, and where
+    assert tb < 0 and "Aborted" not in text, text[max(0, tb - 1000) : tb + 3000] if tb >= 0 else text[-3000:]
     from vime_core.tracking import ERROR_TAG, mlflow_client, resolve_tracking_uri
 
     cfg = tiny_config(tmp_path / "out")  # the run's MLflow store (tracking on, as users run it)
