@@ -128,6 +128,7 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
     from vime_core.kv_cache import kv_cache_tokens
     from vime_core.platform import apply_offline_env
     from vime_core.router import request_seed, sampling_spec
+    from vime_core.stack_sampler import sampled_stacks
 
     if sleep_mode and args.device == "cpu":
         return {"steps": [], "skipped": "vLLM's sleep mode needs a GPU"}
@@ -160,12 +161,11 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
             for i in range(len(batch))
         ]
         llm.reset_prefix_cache()  # as the loop does at every step
-        sample_ms = cfg.rollout.engine_stack_sample_ms  # as the loop's engine samples its stacks (stack_sampler.py)
-        if sample_ms:
-            llm.collective_rpc("vime_stacks", args=("start", sample_ms))
-        row = timed_generate(llm, batch, params)
-        if sample_ms:  # stopped first: the GC read below walks the heap, which is not the generate call's time
-            row["engine_stacks"] = llm.collective_rpc("vime_stacks", args=("stop",))[0]
+        stacks: list[dict] = []  # as the loop's engine samples its stacks (vime_core/stack_sampler.py)
+        with sampled_stacks(llm, cfg.rollout.engine_stack_sample_ms, stacks):
+            row = timed_generate(llm, batch, params)
+        if stacks:  # stopped first: the GC read below walks the heap, which is not the generate call's time
+            row["engine_stacks"] = stacks[0]
         row["engine_gc"] = llm.collective_rpc("vime_gc")[0]  # totals so far, read outside the timing
         rec["steps"].append(row)
         partial.write_text(json.dumps(rec, default=str))

@@ -16,7 +16,6 @@ returns a `Generation`. Concurrent calls of all samples are batched into one vLL
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import difflib
 import logging
@@ -240,19 +239,12 @@ class VLLMEngine:
             groups.append([_fill(req.template, self._generation(c, p)) for c in out.outputs])
         return groups
 
-    @contextlib.contextmanager
     def stack_samples(self):
         """With `stack_sample_ms`, the engine process's stacks are sampled during the block; the last
         STACK_REPORTS reports stay for `info()`."""
-        if not self.opts.stack_sample_ms:
-            yield
-            return
-        self.llm.collective_rpc("vime_stacks", args=("start", self.opts.stack_sample_ms))
-        try:
-            yield
-        finally:
-            self.stack_reports = [*self.stack_reports, self.llm.collective_rpc("vime_stacks", args=("stop",))[0]]
-            self.stack_reports = self.stack_reports[-STACK_REPORTS:]
+        from vime_core.stack_sampler import sampled_stacks
+
+        return sampled_stacks(self.llm, self.opts.stack_sample_ms, self.stack_reports, keep=STACK_REPORTS)
 
     def _generate_batch(self, items: list[tuple[list[int], Any]]) -> list[Generation]:
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids, _ in items], [p for _, p in items], use_tqdm=False)

@@ -11,6 +11,7 @@ stopped through the worker extension (`vime_stacks`, vime_core/sync/worker.py) a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
@@ -122,3 +123,20 @@ def worker_stacks(holder: object, op: str, interval_ms: float = 10.0) -> dict | 
         sampler = holder.__dict__.pop("_vime_stack_sampler", None)
         return sampler.stop() if sampler is not None else None
     raise ValueError(f"vime_stacks takes 'start' or 'stop', not {op!r}")
+
+
+@contextlib.contextmanager
+def sampled_stacks(llm, interval_ms: float, reports: list[dict], keep: int | None = None):
+    """Around a vLLM `LLM` call: with `interval_ms` > 0 its worker samples stacks for the block and the report is
+    appended to `reports` (of which the last `keep` stay); 0 does nothing. The one door for both the loop's engine
+    and the bench's raw vLLM."""
+    if not interval_ms:
+        yield
+        return
+    llm.collective_rpc("vime_stacks", args=("start", interval_ms))
+    try:
+        yield
+    finally:
+        reports.append(llm.collective_rpc("vime_stacks", args=("stop",))[0])
+        if keep is not None:
+            del reports[:-keep]

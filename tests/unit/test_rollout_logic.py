@@ -348,7 +348,9 @@ def test_an_engine_drops_its_prefix_cache_before_sampling_after_a_weights_op_or_
         collective_rpc=lambda method, args: log.append(args[:2]) or [3],
         generate=lambda prompts, params, use_tqdm: log.append("generate") or [],
     )
-    engine = SimpleNamespace(llm=llm, cache_stale=False, custom_generate=None, opts=SimpleNamespace(stack_sample_ms=0))
+    engine = SimpleNamespace(
+        llm=llm, cache_stale=False, custom_generate=None, opts=SimpleNamespace(stack_sample_ms=0), stack_reports=[]
+    )
     engine.reset_prefix_cache = lambda: VLLMEngine.reset_prefix_cache(engine)
     engine.stack_samples = lambda: VLLMEngine.stack_samples(engine)
     spec = SamplingSpec(1, 1.0, 1.0, -1, 8)
