@@ -274,7 +274,7 @@ def summarize(doc: dict) -> dict:
         # phase hf_detached, a diagnostic: the transformers step without its old-log-prob forward, as the loop runs
         "hf_detached_tok_s": median_after_first(matched_steps(trainer, col("hf_detached", "tok_s"))[1]),
     }
-    s.update(kv_cache_tokens=kv_cache_tokens(doc), engine_gc_s=engine_gc_seconds(ph))
+    s.update(kv_cache_tokens=kv_cache_tokens(doc), engine_gc_s=engine_gc_seconds(ph), engine_probe=engine_probes(ph))
     # the steps the loop finished (a watchdog or a crash can cut it short of the header's `steps`), and why it stopped
     s["loop_steps_run"] = len(ph["loop"].get("steps", [])) if "loop" in ph else None
     s["loop_error"] = ph.get("loop", {}).get("error")
@@ -385,6 +385,22 @@ def engine_gc_seconds(ph: dict) -> dict:
     }
 
 
+def engine_probes(ph: dict) -> dict:
+    """Per generate call of each phase, the engine process's host probe at the call's end (stack_sampler.host_probe:
+    [python_ms, launch_us]), with rollout.engine_stack_sample_ms on: a rollout that slows step by step while these
+    stay put is the engine's own doing; slower probes are the host's. None where no stacks were sampled."""
+
+    def row(report: dict | None) -> list | None:
+        end = (report or {}).get("probe", {}).get("end")
+        return [end.get("python_ms"), end.get("launch_us")] if end else None
+
+    info = ph.get("loop", {}).get("engine_info") or [{}]
+    out = {"loop": [row(r) for r in info[0].get("engine_stacks", [])] or None}
+    for name in ("vllm", "vllm_sleep"):
+        out[name] = [row(r.get("engine_stacks")) for r in ph.get(name, {}).get("steps", [])] or None
+    return out
+
+
 SUMMARY_KEYS = {
     "rollout_tok_per_gpu_s",
     "raw_vllm_tok_s",
@@ -413,6 +429,7 @@ SUMMARY_KEYS = {
     "trainer_peak_source",
     "kv_cache_tokens",
     "engine_gc_s",
+    "engine_probe",
     "loop_steps_run",
     "loop_error",
     "ratios",

@@ -7,7 +7,11 @@ launches, a spinning wait for the GPU).
 Tools like py-spy need ptrace rights the machines may not grant; this runs inside the process instead, started and
 stopped through the worker extension (`vime_stacks`, vime_core/sync/worker.py) around one generate call when
 `rollout.engine_stack_sample_ms` is set. A sample costs the engine the GIL for the walk of every thread's frames
-(tens of microseconds), so the default interval keeps the overhead near 1%."""
+(tens of microseconds), so the default interval keeps the overhead near 1%.
+
+Beside the stacks, `host_probe` times a fixed piece of Python and a burst of tiny kernel launches at the call's start
+and end: when the same engine work takes longer from one call to the next, a slower probe says the host's CPU got
+slower for everyone (clock, a noisy neighbour), an unchanged one that the engine itself does more."""
 
 from __future__ import annotations
 
@@ -34,10 +38,12 @@ class StackSampler:
         self.inclusive: dict[str, Counter[str]] = {}
         self.keys: dict[CodeType, str] = {}  # code object -> key: a sample formats each function once per run
         self.usage_at_start: dict[str, float] = {}
+        self.probe_at_start: dict = {}
         self.halt = threading.Event()
         self.thread = threading.Thread(target=self.run, name="vime-stack-sampler", daemon=True)
 
     def start(self) -> StackSampler:
+        self.probe_at_start = host_probe()
         self.usage_at_start = process_usage()
         self.thread.start()
         return self
@@ -47,7 +53,8 @@ class StackSampler:
         self.thread.join(timeout=5.0)
         end = process_usage()
         usage = {k: round(end[k] - self.usage_at_start[k], 4) for k in end}
-        return {**self.report(), "usage": usage, "cpus_allowed": len(os.sched_getaffinity(0))}
+        probe = {"start": self.probe_at_start, "end": host_probe()}
+        return {**self.report(), "usage": usage, "cpus_allowed": len(os.sched_getaffinity(0)), "probe": probe}
 
     def run(self) -> None:
         me = threading.get_ident()
@@ -104,6 +111,68 @@ def process_usage() -> dict[str, float]:
         "voluntary_switches": r.ru_nvcsw,
         "involuntary_switches": r.ru_nivcsw,
     }
+
+
+PROBE_LOOP = 100_000  # iterations of host_probe's Python loop: ~3-5 ms on a server core
+PROBE_LAUNCHES = 256  # tiny kernels per launch probe: enough to average out one slow launch, ~2 ms of GPU queue
+
+
+def python_work() -> int:
+    return sum(i * i for i in range(PROBE_LOOP))
+
+
+def host_probe() -> dict:
+    """How fast this process's CPU runs right now: the best of three timings of a fixed Python loop, the CPU the
+    process last ran on and that CPU's clock as Linux reports it (a VM may report a fixed figure), and, where this
+    process already drives a CUDA device, the host time per launch of a tiny kernel."""
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        python_work()
+        best = min(best, time.perf_counter() - t0)
+    cpu = current_cpu()
+    out: dict = {"python_ms": round(best * 1e3, 3), "cpu": cpu, "cpu_mhz": cpu_mhz(cpu)}
+    torch = sys.modules.get("torch")  # never imported for a probe: a process without torch has no kernels to time
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["launch_us"] = launch_time_us(torch)
+    return out
+
+
+def launch_time_us(torch) -> float:
+    """Host microseconds per launch of a one-element kernel on the current device (the queue drained before and
+    after, so the figure is the launch path, not other work)."""
+    x = torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(PROBE_LAUNCHES):
+        x.add_(1)
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - t0) / PROBE_LAUNCHES * 1e6, 2)
+
+
+def current_cpu() -> int | None:
+    """The CPU this process last ran on (field 39 of /proc/self/stat), None off Linux."""
+    try:
+        stat = open("/proc/self/stat").read()
+        return int(stat.rsplit(")", 1)[1].split()[36])  # the fields after the command name start at field 3
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cpu_mhz(cpu: int | None) -> float | None:
+    """`cpu MHz` of /proc/cpuinfo for `cpu`, None where Linux does not say."""
+    if cpu is None:
+        return None
+    try:
+        blocks = open("/proc/cpuinfo").read().split("\n\n")
+    except OSError:
+        return None
+    for block in blocks:
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        if fields.get("processor") == str(cpu) and "cpu MHz" in fields:
+            return float(fields["cpu MHz"])
+    return None
 
 
 def shares(counts: Counter[str], total: int) -> list[list]:

@@ -5,6 +5,7 @@ import time
 
 import pytest
 
+from tests.helpers.bench import load_bench
 from vime_core.stack_sampler import StackSampler, shares, worker_stacks
 
 
@@ -69,3 +70,26 @@ def test_a_worker_starts_and_stops_one_sampler():
     assert report["interval_s"] == 0.001 and report["threads"]
     with pytest.raises(ValueError, match="'start' or 'stop'"):
         worker_stacks(worker, "pause")
+
+
+def test_each_report_carries_the_hosts_speed_at_the_start_and_the_end():
+    sampler = StackSampler(0.01).start()
+    spin_in_a_named_function(0.05)
+    probe = sampler.stop()["probe"]
+    for when in ("start", "end"):
+        assert probe[when]["python_ms"] > 0.0
+        assert "launch_us" not in probe[when]  # no CUDA device driven by this process: no kernels timed
+    import os
+
+    assert probe["end"]["cpu"] in os.sched_getaffinity(0)
+
+
+def test_the_bench_lists_each_calls_probe_per_phase():
+    rp = load_bench("gpu_scale_report")
+    report = lambda ms: {"probe": {"start": {"python_ms": 1.0}, "end": {"python_ms": ms, "launch_us": 4.0}}}  # noqa: E731
+    ph = {
+        "loop": {"engine_info": [{"engine_stacks": [report(5.0), report(7.5)]}]},
+        "vllm": {"steps": [{"engine_stacks": report(5.0)}, {}]},  # a step without stacks sampled: None
+    }
+    assert rp.engine_probes(ph) == {"loop": [[5.0, 4.0], [7.5, 4.0]], "vllm": [[5.0, 4.0], None], "vllm_sleep": None}
+    assert rp.engine_probes({}) == {"loop": None, "vllm": None, "vllm_sleep": None}
