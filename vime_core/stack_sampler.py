@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from types import CodeType, FrameType
 
 TOP = 25  # functions reported per thread and kind: enough to see the hot path, small enough for a result file
@@ -153,7 +154,7 @@ def launch_time_us(torch) -> float:
 def current_cpu() -> int | None:
     """The CPU this process last ran on (field 39 of /proc/self/stat), None off Linux."""
     try:
-        stat = open("/proc/self/stat").read()
+        stat = Path("/proc/self/stat").read_text()
         return int(stat.rsplit(")", 1)[1].split()[36])  # the fields after the command name start at field 3
     except (OSError, ValueError, IndexError):
         return None
@@ -164,7 +165,7 @@ def cpu_mhz(cpu: int | None) -> float | None:
     if cpu is None:
         return None
     try:
-        blocks = open("/proc/cpuinfo").read().split("\n\n")
+        blocks = Path("/proc/cpuinfo").read_text().split("\n\n")
     except OSError:
         return None
     for block in blocks:
