@@ -10,6 +10,7 @@
 # ~720 s for 3 steps (start 140 s, then ~130 s a step), so pass "--phase-timeout-s 900" on its line.
 # A variant of a phase (say, the loop under --set) writes its own file: end its line with
 #   --out /tmp/vime-detached/out-NAME --copy-to /tmp/vime-detached/res/NAME   (polls bring res/NAME/ back too)
+# A start keeps the files of the batch before it under $ROOT/earlier/<time>/ and refuses while one still runs.
 # The runs work from a copy of the checkout (a device call replaces the checkout it runs in) and write under $ROOT.
 # ../shared/gpu/INSTALL.sh must have run on the machine (it writes /tmp/site-env.sh).
 set -u
@@ -17,9 +18,17 @@ ROOT=${VIME_DETACHED_ROOT:-/tmp/vime-detached}
 case "${1:-}" in
   start)
     shift
-    rm -rf "$ROOT" && mkdir -p "$ROOT/res" && cp -r "$PWD" "$ROOT/repo"
+    if [ -f "$ROOT/run.pid" ] && kill -0 "$(cat "$ROOT/run.pid")" 2> /dev/null; then
+      echo "a detached batch is still running under $ROOT: poll it until DONE, then start" >&2; exit 2
+    fi
+    if [ -d "$ROOT/res" ]; then  # an earlier batch's files stay on the machine: earlier/<time>/ (polls bring them)
+      keep="$ROOT/earlier/$(date +%Y%m%d-%H%M%S)" && mkdir -p "$keep"
+      for x in "$ROOT"/*; do case "${x##*/}" in repo|earlier) ;; *) mv "$x" "$keep/" ;; esac; done
+    fi
+    rm -rf "$ROOT/repo" && mkdir -p "$ROOT/res" && cp -r "$PWD" "$ROOT/repo"
     printf '%s\n' "$@" > "$ROOT/runs.txt"
     setsid nohup bash "$0" run > "$ROOT/detached.out" 2>&1 < /dev/null &
+    echo $! > "$ROOT/run.pid"
     echo "started $# run(s); poll with: bench/detached.sh poll SECONDS" ;;
   run)  # the detached body: each line of runs.txt is one gpu_scale.py command line
     . /tmp/site-env.sh && cd "$ROOT/repo" || exit 1
@@ -42,9 +51,15 @@ case "${1:-}" in
       for d in "$ROOT"/res/*/; do  # a line's own --copy-to under res/ (a variant beside the main result file)
         [ -d "$d" ] && mkdir -p "$OUT/$(basename "$d")" && cp -f "$d"*.json "$OUT/$(basename "$d")/" 2>/dev/null
       done
+      for d in "$ROOT"/earlier/*/res; do  # the result files of batches started before this one (no logs)
+        [ -d "$d" ] || continue
+        k="$OUT/earlier-$(basename "$(dirname "$d")")" && mkdir -p "$k"
+        (cd "$d" && find . \( -name '*.json' -o -name progress.txt \) -exec cp --parents -f {} "$k/" \;)
+      done
     }
     while [ $(( $(date +%s) - t0 )) -lt "$limit" ] && [ ! -e "$ROOT/res/DONE" ]; do snap; sleep 20; done
     snap; cat "$ROOT/res/progress.txt" 2>/dev/null
-    for f in "$ROOT"/res/*.log; do [ -e "$f" ] && { echo "== $f"; grep -iE '^\[gpu_scale\]|error' "$f" | tail -4; }; done ;;
+    for f in "$ROOT"/res/*.log; do [ -e "$f" ] && { echo "== $f"; grep -iE '^\[gpu_scale\]|error' "$f" | tail -4; }; done
+    true ;;  # a batch without logs yet is no failed poll
   *) echo "usage: bench/detached.sh start \"<gpu_scale.py args>\" ... | poll SECONDS" >&2; exit 2 ;;
 esac
