@@ -8,6 +8,7 @@ cancelling the run sends it), which `stop_signal` reads by its `signal` attribut
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -24,6 +25,13 @@ MAX_DEFERRALS = 40
 # also reaches the actors and one of them may die of it first (an ordinary error, which would be retried).
 _caught: list[int] = []
 
+# A stop signal that lands in the main thread inside `shielded()` is held until the block ends, at most HOLD_S:
+# `depth` of nested blocks, the `held` signal and its `timer`, and `late`, the held signal sent again once HOLD_S ran
+# out (the handler then raises it, or drops it where the block ended first and raised it already).
+HOLD_S = 2.0
+_shield: dict = {"depth": 0, "held": None, "timer": None, "late": None}
+_shield_lock = threading.RLock()  # the hold's timer thread against the main thread; reentrant for the handler
+
 
 @contextmanager
 def stop_on_signal(signals: tuple[int, ...] = STOPS) -> Iterator[list[int]]:
@@ -35,12 +43,20 @@ def stop_on_signal(signals: tuple[int, ...] = STOPS) -> Iterator[list[int]]:
 
     def handler(signum, frame):
         nonlocal deferred
-        if _caught:
+        if _shield["late"] == signum:  # a held signal whose HOLD_S ran out
+            _shield["late"] = None
+            if _shield["held"] is None:
+                return  # the block ended first and raised it
+        elif _caught:
             os._exit(128 + signum)
+        elif _shield["depth"] and _shield["held"] is None:
+            hold(signum)
+            return
         if in_finalizer(frame) and deferred < MAX_DEFERRALS:
             deferred += 1
             redeliver(signum)
             return
+        drop_held()  # a second signal inside a shielded block, or the hold ran out: it stops the run now
         _caught.append(signum)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -51,6 +67,78 @@ def stop_on_signal(signals: tuple[int, ...] = STOPS) -> Iterator[list[int]]:
         for s, h in old.items():
             signal.signal(s, h)
         _caught.clear()  # read inside the block only: a later run in this process starts unstopped
+        drop_held()
+        _shield["late"] = None
+
+
+@contextmanager
+def shielded() -> Iterator[None]:
+    """A block that a stop signal must not cut in two: a signal that lands in the main thread inside it stops the
+    run as the block ends (at most HOLD_S later; a second one at once). Every MLflow client call runs in one
+    (tracking.mlflow_client): a SIGTERM raised inside SQLAlchemy's read of a run left its rollback to meet a locked
+    sqlite database, and MLflow printed the traceback into a run that had stopped cleanly. Other threads' blocks
+    hold nothing: signals reach the main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _shield["depth"] += 1
+    try:
+        yield
+    finally:
+        _shield["depth"] -= 1
+        if _shield["depth"] == 0:
+            release_held()
+
+
+class ShieldedCalls:
+    """`obj` whose every method call runs in `shielded()` (tracking.mlflow_client wraps its MlflowClient in one)."""
+
+    def __init__(self, obj) -> None:
+        self.obj = obj
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.obj, name)
+        if not callable(attr):
+            return attr
+
+        @functools.wraps(attr)
+        def call(*args, **kwargs):
+            with shielded():
+                return attr(*args, **kwargs)
+
+        return call
+
+
+def hold(signum: int) -> None:
+    """Keep `signum` for the end of the shielded block; past HOLD_S it comes again as `late` and goes through."""
+
+    def expire() -> None:
+        with _shield_lock:
+            if _shield["held"] == signum:
+                _shield["late"] = signum
+                signal.pthread_kill(threading.main_thread().ident, signum)
+
+    timer = threading.Timer(HOLD_S, expire)
+    timer.daemon = True
+    _shield.update(held=signum, timer=timer)
+    timer.start()
+
+
+def drop_held() -> None:
+    with _shield_lock:
+        if _shield["timer"] is not None:
+            _shield["timer"].cancel()
+        _shield.update(held=None, timer=None)
+
+
+def release_held() -> None:
+    """At the end of the outermost shielded block: the held signal, if any, stops the run now."""
+    with _shield_lock:
+        signum = _shield["held"]
+        drop_held()
+    if signum is not None:
+        _caught.append(signum)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def in_finalizer(frame) -> bool:

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from vime_core.errors import TransientError, VimeError
 from vime_core.platform import apply_offline_env, device_facts
 from vime_core.redact import has_credentials, redact
+from vime_core.stop import ShieldedCalls
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,8 @@ def mlflow_client(uri: str):
         os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    # each call ends before a Ctrl-C stops the run: one cut mid-transaction left a locked sqlite store
+    return ShieldedCalls(MlflowClient(tracking_uri=uri, registry_uri=uri))
 
 
 def check_reachable(uri: str) -> None:
