@@ -97,6 +97,8 @@ class ShieldedCalls:
         self.obj = obj
 
     def __getattr__(self, name: str):
+        if name == "obj":  # not set yet (a copy or an unpickling): no recursion through self.obj
+            raise AttributeError(name)
         attr = getattr(self.obj, name)
         if not callable(attr):
             return attr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import threading
@@ -83,6 +84,7 @@ def test_every_call_through_shielded_calls_finishes_before_the_stop():
     store = Store()
     client = ShieldedCalls(store)
     assert client.version == 3
+    assert copy.copy(client).version == 3  # a copy is built without __init__: no recursion through its wrapped object
     with stop_on_signal((signal.SIGINT,)):
         with pytest.raises(KeyboardInterrupt):
             client.log("metrics of step 4")
