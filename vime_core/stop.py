@@ -57,8 +57,7 @@ def stop_on_signal(signals: tuple[int, ...] = STOPS) -> Iterator[list[int]]:
             redeliver(signum)
             return
         drop_held()  # a second signal inside a shielded block, or the hold ran out: it stops the run now
-        _caught.append(signum)
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+        stop_run(signum)
 
     old = {s: signal.signal(s, handler) for s in signals}
     try:
@@ -139,8 +138,13 @@ def release_held() -> None:
         signum = _shield["held"]
         drop_held()
     if signum is not None:
-        _caught.append(signum)
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+        stop_run(signum)
+
+
+def stop_run(signum: int) -> None:
+    """Record `signum` as the run's stop and unwind the main thread with it."""
+    _caught.append(signum)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def in_finalizer(frame) -> bool:
