@@ -118,8 +118,32 @@ def wait_started(pending: dict, timeout_s: float | None) -> dict[str, Any]:
         except Exception as e:
             if isinstance(getattr(e, "cause", None), VimeError) or isinstance(e, VimeError):
                 raise ClusterError(f"{who} failed to start: {e}") from e
+            if died_starting(e):
+                from vime_core.actor_logs import dead_actor_tail
+
+                tail = dead_actor_tail(e)
+                raise ActorLostError(f"{who} failed to start: {e}" + (f"\n{tail}" if tail else ""), who) from e
             raise RuntimeError(f"{who} failed to start: {e}") from e
     return answers
+
+
+class ActorLostError(RuntimeError):
+    """An actor's process died before its start call answered: killed (the kernel's OOM killer, a signal) or crashed,
+    not an exception its own code raised. The run's start may be tried again (`cluster.start_attempts`)."""
+
+    def __init__(self, message: str, who: str):
+        super().__init__(message)
+        self.who = who
+
+
+def died_starting(error: BaseException) -> bool:
+    """Ray's error for an actor whose process is gone (RayActorError) other than one whose `__init__` raised: that
+    one is its code's answer, and a second start would give it again."""
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # no Ray (a unit test's stand-in): nothing died
+        return False
+    return isinstance(error, RayActorError) and not error.actor_init_failed
 
 
 def wait_ready(

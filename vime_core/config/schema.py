@@ -351,6 +351,17 @@ class ClusterConfig(Section):
         FREE,
         Field(description="Join this Ray cluster; None starts a local one on 127.0.0.1 (or uses RAY_ADDRESS)."),
     ] = None
+    start_attempts: Annotated[
+        int,
+        FREE,
+        Field(
+            ge=1,
+            le=5,
+            description="Starts of the run's trainer and engines when an actor's process dies before it answers "
+            "(killed or crashed, not an error its code raised, not a timeout): each further start is on a fresh "
+            "Ray. 1 fails the run at the first such death.",
+        ),
+    ] = 2
     num_cpus: Annotated[int | None, FREE, Field(ge=1, description="Logical CPUs of a local Ray (None: detected).")] = (
         None
     )
