@@ -68,14 +68,20 @@ def evaluate_model(cfg, model_dir) -> dict[str, float]:
     """Evaluate an HF checkpoint on `cfg.eval.datasets` with fresh vLLM engines (no trainer)."""
     from vime_core.cluster import create_engines, init_ray, make_placement, shutdown_ray
     from vime_core.rpc import wait_ready
+    from vime_core.start_retry import start_with_retry
 
     p = prepare(cfg, Path(model_dir), eval_only=True)
     if not p.eval_sets:
         raise ValueError("eval.datasets is empty: nothing to evaluate")
-    init_ray(cfg, p.platform)
-    try:
+
+    def start_engines() -> list:
         engines = create_engines(cfg, make_placement(cfg, p.platform, engines_only=True), p.platform, str(p.model_dir))
         wait_ready([], engines, cfg.rollout.timeout_s)
+        return engines
+
+    init_ray(cfg, p.platform)
+    try:
+        engines = start_with_retry(cfg, p.platform, start_engines, undo=lambda: None)
         return evaluate(
             RolloutRouter(engines, cfg.rollout.timeout_s, cfg.rollout.stall_timeout_s), p.eval_sets, cfg, p.reward_model
         )

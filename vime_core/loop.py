@@ -144,7 +144,7 @@ def train_loop(
     init_ray(cfg, p.platform)
     actors = Actors()
     try:
-        start_with_retry(actors, cfg, p, None if state else init_checkpoint)
+        start_again_on_a_death(actors, cfg, p, None if state else init_checkpoint)
         buffer, sched = restore(actors, cfg, p, resume_dir, state, init_checkpoint, result.start_rollout_id)
         ckpt, ledger = (
             Checkpointer(cfg.save_dir, cfg.checkpoint.keep_last),
@@ -233,32 +233,16 @@ def start_actors(a: Actors, cfg: RunConfig, p: Prepared, init_checkpoint: Path |
         log.warning(kv_warning)
 
 
-def start_with_retry(a: Actors, cfg: RunConfig, p: Prepared, init_checkpoint: Path | None) -> None:
-    """`start_actors`, again on a fresh Ray when an actor's process died before it answered (rpc.ActorLostError),
-    up to cluster.start_attempts starts in all. Such a death while starting is mostly the machine's moment (memory
-    another job held, a crash in a native library's start-up) rather than the run's; a start again costs seconds on
-    CPU, where the train task's retry would redo the checks and `vime train` has no retry at all."""
-    from vime_core.cluster import init_ray, shutdown_ray
-    from vime_core.rpc import ActorLostError
+def start_again_on_a_death(a: Actors, cfg: RunConfig, p: Prepared, init_checkpoint: Path | None) -> None:
+    """`start_actors`, once more on a fresh Ray if an actor's process died while starting (vime_core/start_retry.py)."""
+    from vime_core.start_retry import start_with_retry
 
-    attempts = cfg.cluster.start_attempts
-    for attempt in range(1, attempts + 1):
-        try:
-            return start_actors(a, cfg, p, init_checkpoint)
-        except ActorLostError as e:
-            if attempt == attempts:
-                raise
-            log.warning(
-                "%s\nstarting the trainer and engines again on a fresh Ray (start %d of %d, cluster.start_attempts)",
-                e,
-                attempt + 1,
-                attempts,
-            )
-            if a.trainer is not None:
-                a.trainer.shutdown()
-            a.trainer = a.router = a.sync = None
-            shutdown_ray()
-            init_ray(cfg, p.platform)
+    def undo() -> None:
+        if a.trainer is not None:
+            a.trainer.shutdown()
+        a.trainer = a.router = a.sync = None
+
+    start_with_retry(cfg, p.platform, lambda: start_actors(a, cfg, p, init_checkpoint), undo)
 
 
 def restore(

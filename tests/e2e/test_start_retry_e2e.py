@@ -49,7 +49,7 @@ def run_with_one_engine_killed(tmp_path, *overrides: str):
 
 
 def test_an_engine_killed_while_starting_is_started_again_and_the_run_trains(tmp_path, dense_model_dir, caplog):
-    caplog.set_level(logging.WARNING, logger="vime_core.loop")
+    caplog.set_level(logging.WARNING, logger="vime_core.start_retry")
     result, sink, killed = run_with_one_engine_killed(tmp_path)
     assert len(killed) == 1, "the engine was never seen starting: nothing was tested"
     warnings = [r.getMessage() for r in caplog.records if "cluster.start_attempts" in r.getMessage()]

@@ -1,12 +1,15 @@
-"""Which start failures `loop.start_with_retry` starts again (rpc.died_starting), and what the error quotes of the
-dead process (actor_logs). The retry itself runs for real in tests/e2e/test_start_retry_e2e.py."""
+"""Which start failures `start_retry.start_with_retry` starts again (rpc.died_starting), and what the error quotes of the
+dead process (actor_logs), and the retry's order of steps. The retry runs for real in tests/e2e/test_start_retry_e2e.py."""
 
 from __future__ import annotations
 
+import pytest
 from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
 
+from tests.helpers.tiny import tiny_config
+
 from vime_core.actor_logs import dead_actor_pid, log_tail
-from vime_core.rpc import died_starting
+from vime_core.rpc import ActorLostError, died_starting
 
 DIED = (
     "The actor died unexpectedly before finishing this task.\n\tclass_name: VLLMEngine\n\tpid: 14649\n"
@@ -42,3 +45,30 @@ def test_the_tail_quotes_the_dead_workers_files_stderr_first(tmp_path):
         "out 29",
     ]
     assert log_tail(14649, None) == "" and log_tail(7, tmp_path) == ""
+
+
+def test_start_with_retry_starts_again_on_a_fresh_ray_up_to_the_setting(tmp_path, monkeypatch):
+    from vime_core import cluster
+    from vime_core.start_retry import start_with_retry
+
+    events: list[str] = []
+    monkeypatch.setattr(cluster, "shutdown_ray", lambda: events.append("ray down"))
+    monkeypatch.setattr(cluster, "init_ray", lambda cfg, platform: events.append(f"ray up on {platform}"))
+    deaths = iter([ActorLostError("vLLM engine 0 failed to start: pid: 7", "vLLM engine 0")])
+
+    def start():
+        events.append("start")
+        if (death := next(deaths, None)) is not None:
+            raise death
+        return "engines"
+
+    cfg = tiny_config(tmp_path)
+    assert cfg.cluster.start_attempts == 2
+    assert start_with_retry(cfg, "cpu", start, lambda: events.append("undo")) == "engines"
+    assert events == ["start", "undo", "ray down", "ray up on cpu", "start"]
+
+    events.clear()
+    deaths = iter([ActorLostError("trainer rank 0 failed to start", "trainer rank 0")])
+    with pytest.raises(ActorLostError):
+        start_with_retry(tiny_config(tmp_path, "cluster.start_attempts=1"), "cpu", start, lambda: events.append("undo"))
+    assert events == ["start"], "one attempt: the death is the caller's, nothing restarted"
