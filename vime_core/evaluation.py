@@ -81,7 +81,7 @@ def evaluate_model(cfg, model_dir) -> dict[str, float]:
 
     init_ray(cfg, p.platform)
     try:
-        engines = start_with_retry(cfg, p.platform, start_engines, undo=lambda: None)
+        engines = start_with_retry(cfg, p.platform, start_engines)
         return evaluate(
             RolloutRouter(engines, cfg.rollout.timeout_s, cfg.rollout.stall_timeout_s), p.eval_sets, cfg, p.reward_model
         )

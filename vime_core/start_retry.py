@@ -17,9 +17,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def start_with_retry(cfg: RunConfig, platform: str, start: Callable[[], T], undo: Callable[[], None]) -> T:
+def start_with_retry(
+    cfg: RunConfig, platform: str, start: Callable[[], T], undo: Callable[[], None] = lambda: None
+) -> T:
     """`start()` (Ray already up); after an ActorLostError, `undo()` (what the failed start left that Ray's shutdown
-    does not stop cleanly: the trainer ranks' process group), then Ray again and `start()` again."""
+    does not stop cleanly: the trainer ranks' process group; nothing for engines alone), then Ray again and `start()`
+    again."""
     from vime_core.cluster import init_ray, shutdown_ray
 
     attempts = cfg.cluster.start_attempts
