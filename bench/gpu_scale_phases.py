@@ -125,7 +125,7 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
     """Raw vLLM. `sleep_mode` (phase `vllm_sleep`, a diagnostic): as the loop's engine runs, vLLM's sleep-mode
     allocator on, asleep between steps at the loop's `cluster.engine_sleep_level` and woken as the loop wakes it
     (level 2: weights, then the checkpoint reloaded by vLLM itself, then the KV cache), without Ray or a trainer."""
-    from vime_core.kv_cache import kv_cache_tokens
+    from vime_core.kv_cache import kv_cache_tokens, model_runner
     from vime_core.platform import apply_offline_env
     from vime_core.router import request_seed, sampling_spec
     from vime_core.stack_sampler import sampled_stacks
@@ -147,6 +147,7 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
         "engine_kwargs": {k: str(v) for k, v in kwargs.items()},
         "start_s": time.perf_counter() - t0,
         "kv_cache_tokens": kv_cache_tokens(llm),  # beside the loop engine's (engine_info): a smaller cache preempts
+        "model_runner": model_runner(llm),  # beside the loop engine's: V1 and V2 differ in host cost a step
         "seeded": not args.vllm_no_seed,
         "sleep_mode": sleep_mode,
         "sleep_level": cfg.cluster.engine_sleep_level if sleep_mode else None,

@@ -274,7 +274,7 @@ def summarize(doc: dict) -> dict:
         # phase hf_detached, a diagnostic: the transformers step without its old-log-prob forward, as the loop runs
         "hf_detached_tok_s": median_after_first(matched_steps(trainer, col("hf_detached", "tok_s"))[1]),
     }
-    s.update(kv_cache_tokens=kv_cache_tokens(doc), engine_gc_s=engine_gc_seconds(ph), engine_probe=engine_probes(ph))
+    s.update(engine_facts(doc))
     # the steps the loop finished (a watchdog or a crash can cut it short of the header's `steps`), and why it stopped
     s["loop_steps_run"] = len(ph["loop"].get("steps", [])) if "loop" in ph else None
     s["loop_error"] = ph.get("loop", {}).get("error")
@@ -354,6 +354,30 @@ def moe_summary(doc: dict, s: dict) -> dict:
     }
 
 
+def engine_facts(doc: dict) -> dict:
+    """What the rollout phases' engines said about themselves: KV-cache capacity, model runner, collection pauses and
+    the stack sampler's probe."""
+    ph = doc.get("phases", {})
+    return {
+        "kv_cache_tokens": kv_cache_tokens(doc),
+        "model_runner": model_runners(ph),
+        "engine_gc_s": engine_gc_seconds(ph),
+        "engine_probe": engine_probes(ph),
+    }
+
+
+def model_runners(ph: dict) -> dict:
+    """vLLM's model runner ("v1" / "v2", vime_core.kv_cache.model_runner) in each rollout phase: the loop's engines
+    (one value when they agree) and raw vLLM's. A rollout ratio means little across runners: on a host-bound rollout
+    they differ in host cost a step. None where a phase did not record it."""
+    engines = {i.get("model_runner") for i in ph.get("loop", {}).get("engine_info", [])}
+    return {
+        "loop_engine": engines.pop() if len(engines) == 1 else (sorted(map(str, engines)) or None),
+        "raw_vllm": ph.get("vllm", {}).get("model_runner"),
+        "raw_vllm_sleep_mode": ph.get("vllm_sleep", {}).get("model_runner"),
+    }
+
+
 def kv_cache_tokens(doc: dict) -> dict:
     """Tokens the loop's engine(s) and raw vLLM could hold in their KV caches, beside the response tokens of one
     rollout step with every sample at full length (the prompts, shared by a group's samples through the prefix cache,
@@ -428,6 +452,7 @@ SUMMARY_KEYS = {
     "hf_detached_tok_s",
     "trainer_peak_source",
     "kv_cache_tokens",
+    "model_runner",
     "engine_gc_s",
     "engine_probe",
     "loop_steps_run",

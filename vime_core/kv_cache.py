@@ -1,6 +1,6 @@
-"""An engine's KV cache against what a rollout asks of it: vLLM's sized capacity (in tokens) and scheduler width,
-read from a live `LLM`, and the one-line warning when the samples a rollout runs at once cannot fit (vLLM then
-preempts and recomputes them: correct, but slower)."""
+"""An engine's KV cache against what a rollout asks of it: vLLM's sized capacity (in tokens), scheduler width and
+model runner, read from a live `LLM`, and the one-line warning when the samples a rollout runs at once cannot fit
+(vLLM then preempts and recomputes them: correct, but slower)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,15 @@ def kv_cache_tokens(llm) -> int | None:
 def max_num_seqs(llm) -> int | None:
     """How many sequences the engine's scheduler runs at once (None if this vLLM does not say)."""
     return getattr(_engine_config(llm, "scheduler_config"), "max_num_seqs", None)
+
+
+def model_runner(llm) -> str | None:
+    """ "v1" or "v2": the model runner vLLM picked for this engine (None if this vLLM does not say). They do the same
+    work at different host cost: V1 draws a seeded request's sampling noise with one kernel launch per request and
+    step, V2 draws every request's in one kernel. vLLM 0.26 runs dense Qwen3 on V2 and Qwen3-MoE on V1 by default,
+    and V1 only where it returns routed experts (rollout.routing_replay)."""
+    flag = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "use_v2_model_runner", None)
+    return None if flag is None else ("v2" if flag else "v1")
 
 
 def kv_cache_shortfall(cfg, engine_infos: list[dict], platform: str) -> str | None:

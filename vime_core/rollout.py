@@ -28,7 +28,7 @@ from typing import Any
 from vime_core.aio import run_sync
 from vime_core.errors import VimeError
 from vime_core.generate_hook import check_hook_samples, load_custom_generate
-from vime_core.kv_cache import kv_cache_tokens, max_num_seqs
+from vime_core.kv_cache import kv_cache_tokens, max_num_seqs, model_runner
 from vime_core.progress import Heartbeat
 from vime_core.sample import Sample
 
@@ -289,6 +289,7 @@ class VLLMEngine:
             "node_id": ray_node_id(),
             "kv_cache_tokens": kv_cache_tokens(self.llm),
             "max_num_seqs": max_num_seqs(self.llm),
+            "model_runner": model_runner(self.llm),
             "engine_gc": self.llm.collective_rpc("vime_gc")[0],  # collection pauses in the worker (engine_gc.py)
             "engine_stacks": self.stack_reports,  # with rollout.engine_stack_sample_ms (stack_sampler.py)
         }

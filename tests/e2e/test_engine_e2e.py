@@ -79,6 +79,8 @@ def test_every_step_logs_vime_metrics(dense_run):
     # the engine's KV cache as vLLM sized it (rollout.cpu_kv_cache_gib), reported for the benches; the default's
     # holds all of a rollout's samples at full length, so its run logs no preemption warning
     assert all(i["kv_cache_tokens"] > 1000 and i["max_num_seqs"] >= 1 for i in result.engine_info), result.engine_info
+    # which model runner vLLM picked (the benches compare rollouts of one runner): this vLLM says
+    assert all(i["model_runner"] in ("v1", "v2") for i in result.engine_info), result.engine_info
     assert kv_cache_shortfall(cfg, result.engine_info, "cpu") is None, result.engine_info
     # the worker's GC clock ran through the rollouts (a generate allocates enough for young collections)
     assert all(i["engine_gc"]["gc_collections"][0] > 0 for i in result.engine_info), result.engine_info

@@ -252,6 +252,17 @@ def test_kv_cache_capacity_is_reported_beside_the_full_length_demand(rp):
     }
 
 
+def test_each_rollout_phase_reports_its_vllm_model_runner(rp):
+    ph = {
+        "loop": {"engine_info": [{"model_runner": "v1"}, {"model_runner": "v1"}]},
+        "vllm": {"model_runner": "v2"},
+    }
+    assert rp.model_runners(ph) == {"loop_engine": "v1", "raw_vllm": "v2", "raw_vllm_sleep_mode": None}
+    mixed = {"loop": {"engine_info": [{"model_runner": "v2"}, {"model_runner": "v1"}]}}
+    assert rp.model_runners(mixed)["loop_engine"] == ["v1", "v2"]
+    assert rp.model_runners({})["loop_engine"] is None
+
+
 def test_the_sleep_mode_diagnostic_is_compared_with_plain_raw_vllm_only(rp):
     loop = [{"perf/tokens_per_gpu_per_sec": 80.0}] * 3
     doc = result_doc(loop, [{"tok_s": 100.0}] * 3, [])

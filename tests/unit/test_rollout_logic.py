@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers.tiny import tiny_config
 from vime_core.data import DataBuffer, Prompt, PromptSet
-from vime_core.kv_cache import kv_cache_shortfall
+from vime_core.kv_cache import kv_cache_shortfall, model_runner
 from vime_core.cli import user_error_exit
 from vime_core.generate_hook import CustomGenerateError
 from vime_core.rollout import GenerateContext, Generation, SamplingSpec
@@ -216,6 +216,15 @@ def test_kv_cache_shortfall_warns_only_when_concurrent_samples_cannot_fit(tmp_pa
     two = [{"kv_cache_tokens": need // 2, "max_num_seqs": 256}, {"kv_cache_tokens": need // 2 - 1, "max_num_seqs": 256}]
     assert kv_cache_shortfall(cfg, two, "cpu").startswith("vLLM engine 1's")
     assert kv_cache_shortfall(cfg, [{"kv_cache_tokens": None}], "cpu") is None
+
+
+def test_model_runner_reads_vllms_choice_and_says_none_where_vllm_does_not():
+    def llm(flag):
+        return SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(use_v2_model_runner=flag)))
+
+    assert (model_runner(llm(True)), model_runner(llm(False))) == ("v2", "v1")
+    assert model_runner(SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=SimpleNamespace()))) is None
+    assert model_runner(object()) is None
 
 
 # --------------------------------------------------------------------------------------------------------------------
