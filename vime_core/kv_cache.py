@@ -8,7 +8,8 @@ import math
 
 
 def _engine_config(llm, section: str):
-    """`llm.llm_engine.vllm_config.<section>`, or None where this vLLM lays it out otherwise."""
+    """`llm.llm_engine.vllm_config.<section>` (a config section or property), or None where this vLLM lays it out
+    otherwise."""
     return getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), section, None)
 
 
@@ -30,7 +31,7 @@ def model_runner(llm) -> str | None:
     work at different host cost: V1 draws a seeded request's sampling noise with one kernel launch per request and
     step, V2 draws every request's in one kernel. vLLM 0.26 runs dense Qwen3 on V2 and Qwen3-MoE on V1 by default,
     and V1 only where it returns routed experts (rollout.routing_replay)."""
-    flag = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "use_v2_model_runner", None)
+    flag = _engine_config(llm, "use_v2_model_runner")
     return None if flag is None else ("v2" if flag else "v1")
 
 
