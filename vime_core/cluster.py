@@ -1,9 +1,8 @@
 """Ray: start or join a cluster, place trainer and engine bundles, create the actor groups.
 
 Local by default (127.0.0.1, no dashboard, offline variables); `cluster.ray_address` or `RAY_ADDRESS` joins an
-existing cluster (e.g. the KubeRay one in infra/). One placement group holds a bundle per device:
-- colocated: bundle i is shared by trainer rank i and engine i (fractional GPUs), so they sit on the same device;
-- disaggregated: trainer bundles first, then engine bundles, packed.
+existing cluster (e.g. the KubeRay one in infra/). One placement group holds a bundle per device: colocated, bundle
+i is shared by trainer rank i and engine i (fractional GPUs, the same device); disaggregated, trainers' then engines'.
 On CPU the "devices" are processes: one bundle of one logical CPU per trainer rank and per engine.
 """
 
@@ -422,6 +421,7 @@ def engine_specs(cfg: RunConfig, p: Placement, platform: str, model_path: str) -
             stack_sample_ms=cfg.rollout.engine_stack_sample_ms,
             custom_generate=cfg.rollout.custom_generate,
             routing_replay=cfg.rollout.routing_replay,
+            model_runner=cfg.rollout.model_runner,
             sleep_mode=p.engines_sleep,
             name=f"vLLM engine {i}",
             extra=dict(cfg.rollout.vllm_kwargs),

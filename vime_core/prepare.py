@@ -155,6 +155,7 @@ def preflight(cfg: RunConfig, platform: str, model_dir: Path, eval_only: bool) -
     from vime_core.generate_hook import load_custom_generate
 
     check_model_files(model_dir)
+    check_model_runner(cfg)
     check_context_length(cfg, read_hf_config(model_dir), model_dir)
     if cfg.rollout.reward != "math":
         load_reward(cfg.rollout.reward)
@@ -163,6 +164,14 @@ def preflight(cfg: RunConfig, platform: str, model_dir: Path, eval_only: bool) -
     if not eval_only:
         check_writable(cfg.output_dir)
     check_local_fit(cfg, platform, engines_only=eval_only)
+
+
+def check_model_runner(cfg: RunConfig) -> None:
+    """rollout.model_runner can do what the run asks of the installed vLLM (each engine checks again as it starts)."""
+    from vime_core.rollout import installed_vllm, model_runner_env
+
+    if installed := installed_vllm():  # else the engines' processes fail to import it, naming the package
+        model_runner_env(cfg.rollout.model_runner, cfg.rollout.routing_replay, installed)
 
 
 # rope types whose `factor` vLLM does not apply to max_position_embeddings (vllm/config/model.py, 0.32)

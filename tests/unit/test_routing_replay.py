@@ -101,15 +101,58 @@ def test_carried_rollouts_keep_routed_experts_through_a_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "version, env",
+    "choice, replay, version, env",
     [
-        ("0.26.0", {}),
-        ("0.31.2", {}),
-        ("0.32.0", {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
-        ("0.33.1rc1", {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
+        ("auto", False, "0.26.0", {}),  # vLLM's own choice
+        ("v1", False, "0.26.0", {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
+        ("v2", False, "0.26.0", {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
+        ("auto", True, "0.26.0", {"VLLM_USE_V2_MODEL_RUNNER": "0"}),  # 0.26 returns routed experts from V1 only
+        ("v1", True, "0.31.2", {"VLLM_USE_V2_MODEL_RUNNER": "0"}),
+        ("auto", True, "0.32.0", {"VLLM_USE_V2_MODEL_RUNNER": "1"}),  # 0.32 from V2 only
+        ("v2", True, "0.33.1rc1", {"VLLM_USE_V2_MODEL_RUNNER": "1"}),
     ],
 )
-def test_routed_experts_come_from_the_runner_that_returns_them(version, env):
-    from vime_core.rollout import routed_experts_runner_env
+def test_model_runner_env_gives_the_runner_asked_for_or_the_one_returning_experts(choice, replay, version, env):
+    from vime_core.rollout import model_runner_env
 
-    assert routed_experts_runner_env(version) == env
+    assert model_runner_env(choice, replay, version) == env
+
+
+@pytest.mark.parametrize("choice, version, need", [("v2", "0.26.0", "v1"), ("v1", "0.32.0", "v2")])
+def test_a_runner_that_cannot_return_routed_experts_is_refused_naming_the_field(choice, version, need):
+    from vime_core.errors import VimeError
+    from vime_core.rollout import model_runner_env
+
+    with pytest.raises(VimeError) as e:
+        model_runner_env(choice, True, version)
+    assert str(e.value) == (
+        f"rollout.model_runner = {choice}: vLLM {version} returns routed experts (rollout.routing_replay) only from "
+        f"its {need.upper()} model runner; set rollout.model_runner to auto or {need}"
+    )
+
+
+def test_preflight_refuses_the_runner_the_installed_vllm_cannot_replay_with():
+    from vime_core.errors import VimeError
+    from vime_core.prepare import check_model_runner
+    from vime_core.rollout import installed_vllm
+
+    base = ["cluster.platform=cuda", "rollout.routing_replay=true"]
+    check_model_runner(load_config(None, base))  # auto takes the runner that returns them
+    refused = {}
+    for choice in ("v1", "v2"):
+        try:
+            check_model_runner(load_config(None, [*base, f"rollout.model_runner={choice}"]))
+        except VimeError as e:
+            refused[choice] = str(e)
+    # exactly one of the two returns routed experts in any vLLM; the other is refused by name
+    assert len(refused) == 1, refused
+    ((choice, msg),) = refused.items()
+    assert msg.startswith(f"rollout.model_runner = {choice}: vLLM {installed_vllm()} returns routed experts")
+
+
+def test_installed_vllm_reads_the_cpu_distribution():
+    import vllm
+
+    from vime_core.rollout import installed_vllm
+
+    assert installed_vllm() == vllm.__version__

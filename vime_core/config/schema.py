@@ -114,6 +114,16 @@ class RolloutConfig(Section):
     ] = 0.5
     cpu_kv_cache_gib: Annotated[float, FREE, Field(gt=0.0, le=512, description="KV cache size on CPU, GiB.")] = 1.0
     enforce_eager: Annotated[bool, FREE, Field(description="Disable CUDA graphs / compilation in vLLM.")] = False
+    model_runner: Annotated[
+        Literal["auto", "v1", "v2"],
+        FIXED,
+        Field(
+            description="vLLM's model runner in every engine (VLLM_USE_V2_MODEL_RUNNER). `auto`: vLLM's choice, which "
+            "in 0.26 is V1 for Qwen3-MoE; there V1 samples each seeded request with a kernel launch of its own every "
+            "step and V2 samples all of them in one. With routing_replay, `auto` takes the runner that returns "
+            "routed experts (V1 in vLLM 0.26). FIXED: the runners draw different samples from the same seed.",
+        ),
+    ] = "auto"
     engine_stack_sample_ms: Annotated[
         float,
         FREE,
