@@ -118,10 +118,10 @@ class RolloutConfig(Section):
         Literal["auto", "v1", "v2"],
         FIXED,
         Field(
-            description="vLLM's model runner in every engine (VLLM_USE_V2_MODEL_RUNNER). `auto`: vLLM's choice, which "
-            "in 0.26 is V1 for Qwen3-MoE; there V1 samples each seeded request with a kernel launch of its own every "
-            "step and V2 samples all of them in one. With routing_replay, `auto` takes the runner that returns "
-            "routed experts (V1 in vLLM 0.26). FIXED: the runners draw different samples from the same seed.",
+            description="vLLM's model runner in every engine (VLLM_USE_V2_MODEL_RUNNER), and in the bench's raw "
+            "vLLM. `auto`: vLLM's choice (0.26: V2 for dense models, V1 for Qwen3-MoE, whose rollouts V2 ran at 0.82x "
+            "V1's tok/s; bench/README); with routing_replay, the runner that returns routed experts (V1 in 0.26). "
+            "FIXED: the runners draw different samples from the same seed.",
         ),
     ] = "auto"
     engine_stack_sample_ms: Annotated[
