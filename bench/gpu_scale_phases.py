@@ -127,7 +127,7 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
     (level 2: weights, then the checkpoint reloaded by vLLM itself, then the KV cache), without Ray or a trainer."""
     from vime_core.kv_cache import kv_cache_tokens, model_runner
     from vime_core.platform import apply_offline_env
-    from vime_core.rollout import installed_vllm, model_runner_env
+    from vime_core.rollout import use_model_runner
     from vime_core.router import request_seed, sampling_spec
     from vime_core.stack_sampler import sampled_stacks
 
@@ -138,7 +138,7 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
     prompts = step_prompts(cfg, model_dir, args.steps)
     if args.device == "cpu":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.update(model_runner_env(cfg.rollout.model_runner, False, installed_vllm()))  # as the loop's engines
+    use_model_runner(cfg.rollout.model_runner, routing_replay=False)  # as the loop's engines
     from vllm import LLM
 
     kwargs = raw_engine_kwargs(cfg, model_dir, sleep_mode)

@@ -27,10 +27,9 @@ def max_num_seqs(llm) -> int | None:
 
 
 def model_runner(llm) -> str | None:
-    """Which model runner vLLM picked for this engine, "v1" or "v2" (None if this vLLM does not say). They do the
-    same work at different host cost: V1 draws a seeded request's sampling noise with one kernel launch per request
-    and step, V2 draws every request's in one kernel. vLLM 0.26 runs dense Qwen3 on V2 and Qwen3-MoE on V1 by
-    default, and needs V1 to return routed experts (rollout.routing_replay)."""
+    """Which model runner vLLM picked for this engine, "v1" or "v2" (None if this vLLM does not say): the same
+    work at a different host cost a step, so rollout timings compare only within one runner (rollout.model_runner
+    picks it)."""
     flag = _engine_config(llm, "use_v2_model_runner")
     return None if flag is None else ("v2" if flag else "v1")
 

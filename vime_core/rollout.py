@@ -191,6 +191,14 @@ def model_runner_env(choice: str, routing_replay: bool, vllm_version: str) -> di
     return {} if choice == "auto" else {"VLLM_USE_V2_MODEL_RUNNER": "1" if choice == "v2" else "0"}
 
 
+def use_model_runner(choice: str, routing_replay: bool) -> None:
+    """Give the vLLM engines this process starts the runner `model_runner_env` names. vLLM reads it from the
+    environment of the engine's process (the engine core starts from it); set, not defaulted, so that the config wins
+    over an exported variable. Call it before the engine starts, in the engine's process, never in the driver's."""
+    if installed := installed_vllm():  # else importing vLLM names what is missing
+        os.environ.update(model_runner_env(choice, routing_replay, installed))
+
+
 class VLLMEngine:
     """A vLLM `LLM` in this process. Run it as a Ray actor (see cluster.py); usable directly in tests."""
 
@@ -203,10 +211,7 @@ class VLLMEngine:
         if opts.platform == "cpu":
             # in-process engine core: starts in seconds instead of ~30 s and needs no extra process
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        # vLLM reads its runner from the environment of the engine's process (this actor's; the engine core starts
-        # from it); set, not defaulted, so that the config wins over an exported variable
-        if installed := installed_vllm():  # else the import below names what is missing
-            os.environ.update(model_runner_env(opts.model_runner, opts.routing_replay, installed))
+        use_model_runner(opts.model_runner, opts.routing_replay)
         from vllm import LLM
 
         quiet_vllm()  # again: vLLM's own handler exists now

@@ -6,6 +6,8 @@ engine argument and the config checks are unit tests."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -156,3 +158,13 @@ def test_installed_vllm_reads_the_cpu_distribution():
     from vime_core.rollout import installed_vllm
 
     assert installed_vllm() == vllm.__version__
+
+
+def test_use_model_runner_sets_the_variable_over_an_exported_one(monkeypatch):
+    from vime_core.rollout import use_model_runner
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    use_model_runner("v1", routing_replay=False)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    use_model_runner("auto", routing_replay=False)  # vLLM's choice: what the process has stays
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
