@@ -281,7 +281,8 @@ def print_summary(doc: dict) -> None:
     r = doc["ratios"]
     print(
         f"[gpu_scale] {doc['shape']} {doc['prompts']}x{doc['samples']} x {doc['response_len']}: rollout "
-        f"{f(doc['rollout_tok_per_gpu_s'])} vs raw vLLM {f(doc['raw_vllm_tok_s'])} tok/s ({f(r['rollout_vs_raw_vllm'], 2)}x) | "
+        f"{f(doc['rollout_tok_per_gpu_s'])} vs raw vLLM {f(doc['raw_vllm_tok_s'])} tok/s ({f(r['rollout_vs_raw_vllm'], 2)}x), "
+        f"paired {f(doc.get('raw_vllm_paired_tok_s'))} ({f(r.get('rollout_vs_raw_vllm_paired'), 2)}x) | "
         f"trainer {f(doc['trainer_tok_s'])} vs HF+SDPA {f(doc['hf_sdpa_tok_s'])} tok/s ({f(r['trainer_vs_hf_sdpa'], 2)}x) | "
         f"peak {f(doc['trainer_peak_gib'], 1)} vs {f(doc['hf_sdpa_peak_gib'], 1)} GiB | sync {f(doc['sync_s'], 3)}s | "
         f"step {f(doc['step_s'], 1)}s | mfu {f(doc['mfu'], 3)} (HF {f(doc['hf_sdpa_mfu'], 3)}) | "

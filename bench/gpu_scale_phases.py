@@ -90,9 +90,11 @@ def loop_phase(args, model_dir: Path, partial: Path, phase: str = "loop") -> dic
     prompts = step_prompts(cfg, model_dir, args.steps)
     rec: dict = {"overrides": kept, "dropped_overrides": dropped, "steps": []}
     t0 = time.time()
+    paired, before_rollout = paired_raw_vllm(cfg, prompts) if phase == "loop" else ({}, None)
 
     def on_step(i: int, m: dict) -> None:
         row = {k: v for k, v in m.items() if isinstance(v, (int, float))}
+        row.update(paired.pop(i, {}))
         lens = [len(p) + m["rollout/response_len/mean"] for p in prompts[i] for _ in range(args.samples)]
         row["bench/train_tokens"] = sum(lens)  # prompt + mean response length per sample, as the HF phase counts
         passes = loop_passes(cfg.train.old_logprobs, cfg.num_steps_per_rollout, measures_routing(cfg.rollout, i))
@@ -112,13 +114,45 @@ def loop_phase(args, model_dir: Path, partial: Path, phase: str = "loop") -> dic
         )
 
     try:
-        result = run(cfg, MemorySink(), on_step=on_step)
+        result = run(cfg, MemorySink(), on_step=on_step, before_rollout=before_rollout)
         rec.update(trainer_info=result.trainer_info, engine_info=result.engine_info)
     finally:
         import shutil
 
         shutil.rmtree(run_dir, ignore_errors=True)  # the final checkpoint: GBs of disk
     return rec
+
+
+def paired_raw_vllm(cfg, prompts: list) -> tuple[dict, object]:
+    """The paired raw-vLLM baseline of phase `loop`: before rollout i (i >= 1: the first one warms the engine up),
+    the loop's own engine generates rollout i's prompts with its seeds through vLLM alone (VLLMEngine.generate_plain),
+    holding the weights rollout i samples from. Where vLLM's engine-core thread bounds the rollout (Qwen3-30B-A3B's
+    first 6 layers on one H200), raw vLLM in a process of its own (phase `vllm`) ran the same generation 11% faster
+    than the loop's engine on one loan and 9% slower on another, steady within each process: this pair shares the
+    process, its host core and the minute. Returns (step -> the row's `bench/paired_raw_vllm_*` keys, the hook)."""
+    import ray
+
+    from vime_core.router import request_seed, sampling_spec
+
+    paired: dict[int, dict] = {}
+
+    def before_rollout(i: int, router) -> None:
+        if i == 0 or i >= len(prompts) or len(router.engines) != 1:  # one engine: the loop's split is then trivial
+            return
+        seeds = [request_seed(cfg.seed, i, 0, j) for j in range(len(prompts[i]))]  # collect_rollout's, attempt 0
+        got = ray.get(router.engines[0].generate_plain.remote(prompts[i], seeds, sampling_spec(cfg)))
+        paired[i] = {
+            "bench/paired_raw_vllm_seconds": got["seconds"],
+            "bench/paired_raw_vllm_tok_s": got["tokens"] / got["seconds"],
+            "bench/paired_raw_vllm_response_len_mean": got["tokens"] / got["samples"],
+        }
+        print(
+            f"[loop] paired raw vLLM before rollout {i}: {got['seconds']:.1f}s "
+            f"{paired[i]['bench/paired_raw_vllm_tok_s']:,.0f} tok/s",
+            flush=True,
+        )
+
+    return paired, before_rollout
 
 
 def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -> dict:

@@ -42,6 +42,9 @@ from vime_core.metrics import MetricsSink
 log = logging.getLogger(__name__)
 
 StepCallback = Callable[[int, dict[str, float]], None]
+# before an inline rollout (rollout.max_staleness = 0) is sampled: its id and the router of the engines that will
+# sample it, awake and holding the weights it samples from (bench/gpu_scale.py times plain vLLM there)
+RolloutHook = Callable[[int, Any], None]
 
 
 @dataclass
@@ -112,12 +115,13 @@ def run(
     model_dir: Path | None = None,
     init_checkpoint: Path | None = None,
     run_state: dict | None = None,
+    before_rollout: RolloutHook | None = None,
 ) -> RunResult:
     """`train_loop` holding cfg.output_dir exclusively (a second run on it fails at once, naming the holder)."""
     from vime_core.runlock import output_dir_lock
 
     with output_dir_lock(cfg.output_dir, (run_state or {}).get("prefect_flow_run_id")):
-        return train_loop(cfg, sink, on_step, model_dir, init_checkpoint, run_state)
+        return train_loop(cfg, sink, on_step, model_dir, init_checkpoint, run_state, before_rollout)
 
 
 def train_loop(
@@ -127,6 +131,7 @@ def train_loop(
     model_dir: Path | None = None,
     init_checkpoint: Path | None = None,
     run_state: dict | None = None,
+    before_rollout: RolloutHook | None = None,
 ) -> RunResult:
     """Train `cfg` end to end, resuming from the latest checkpoint of its save dir if there is one.
 
@@ -164,6 +169,7 @@ def train_loop(
             on_step,
             run_state,
             result,
+            before_rollout,
         )
         return run_steps(parts)
     finally:
@@ -284,6 +290,8 @@ def run_steps(parts: "LoopParts") -> RunResult:
     parts.sched.submit_ready()
     try:
         for rollout_id in range(result.start_rollout_id, cfg.rollout.num_rollout):
+            if parts.before_rollout and parts.sched.inline:
+                parts.before_rollout(rollout_id, parts.router)
             train_step(rollout_id, parts)
     finally:
         parts.sched.close()
@@ -323,6 +331,7 @@ class LoopParts:
     on_step: StepCallback | None
     run_state: dict | None
     result: RunResult
+    before_rollout: RolloutHook | None = None
 
 
 def train_step(rollout_id: int, parts: LoopParts) -> None:

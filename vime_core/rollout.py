@@ -270,6 +270,20 @@ class VLLMEngine:
             groups.append([_fill(req.template, self._generation(c, p)) for c in out.outputs])
         return groups
 
+    def generate_plain(self, prompt_ids: list[list[int]], seeds: list[int], spec: SamplingSpec) -> dict[str, float]:
+        """vLLM alone: `LLM.generate` of `spec.n` samples per prompt (request i seeded `seeds[i]`), timed in this
+        process after the prefix cache is dropped as a rollout's first call drops it; no samples come back. Given
+        the prompts and seeds of the loop's next rollout, it is that rollout's work without the loop around it, on
+        the same engine, weights and host core (bench/gpu_scale.py's paired raw-vLLM baseline)."""
+        self.reset_prefix_cache()
+        self.cache_stale = False
+        params = [spec.vllm_params(seed=s) for s in seeds]
+        t0 = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        lens = [len(c.token_ids) for o in outs for c in o.outputs]
+        return {"seconds": seconds, "tokens": float(sum(lens)), "samples": float(len(lens))}
+
     def stack_samples(self):
         """With `stack_sample_ms`, the engine process's stacks are sampled during the block; the last
         STACK_REPORTS reports stay for `info()`."""

@@ -20,6 +20,7 @@ from vime_core.metrics import MemorySink
 
 
 STEPS, SAVE_EVERY, N = 20, 10, 1
+BEFORE_ROLLOUT: list[int] = []  # the loop's before_rollout hook: never called, rollouts run ahead on their thread
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def async_run(tmp_path_factory, dense_model_dir):
         "tracking.enabled=false",
     )
     sink = MemorySink()
-    return cfg, sink, run(cfg, sink)
+    return cfg, sink, run(cfg, sink, before_rollout=lambda i, router: BEFORE_ROLLOUT.append(i))
 
 
 def step_rows(sink: MemorySink) -> list[dict]:
@@ -47,6 +48,7 @@ def test_staleness_bound_holds_and_is_reached(async_run):
     cfg, sink, _ = async_run
     rows = step_rows(sink)
     assert [r["step"] for r in rows] == list(range(STEPS))
+    assert BEFORE_ROLLOUT == []
     assert all(r["rollout/staleness/max"] <= N and r["rollout/staleness/mean"] <= N for r in rows)
     assert rows[0]["rollout/staleness/max"] == 0 and all(r["rollout/staleness/max"] == N for r in rows[1:])
     assert all(0.0 <= r["perf/wait_time_ratio"] <= 1.0 for r in rows)

