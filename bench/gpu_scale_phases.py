@@ -8,6 +8,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -123,7 +124,7 @@ def loop_phase(args, model_dir: Path, partial: Path, phase: str = "loop") -> dic
     return rec
 
 
-def paired_raw_vllm(cfg, prompts: list) -> tuple[dict, object]:
+def paired_raw_vllm(cfg, prompts: list) -> tuple[dict, Callable[[int, Any], None]]:
     """The paired raw-vLLM baseline of phase `loop`: before rollout i (i >= 1: the first one warms the engine up),
     the loop's own engine generates rollout i's prompts with its seeds through vLLM alone (VLLMEngine.generate_plain),
     holding the weights rollout i samples from. Where vLLM's engine-core thread bounds the rollout (Qwen3-30B-A3B's

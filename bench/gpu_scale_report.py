@@ -222,6 +222,7 @@ def median_after_first(xs: list[float]) -> float | None:
 
 
 def median_given(xs: list) -> float | None:
+    """Median of the values present (a column with no warm-up step to drop); None if there are none."""
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 
