@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -133,25 +132,17 @@ def paired_raw_vllm(cfg, prompts: list) -> tuple[dict, Callable[[int, Any], None
     process, its host core and the minute. Returns (step -> the row's `bench/paired_raw_vllm_*` keys, the hook)."""
     import ray
 
-    from vime_core.router import request_seed, sampling_spec
+    from vime_core.router import rollout_seed, sampling_spec
 
     paired: dict[int, dict] = {}
 
     def before_rollout(i: int, router) -> None:
         if i == 0 or i >= len(prompts) or len(router.engines) != 1:  # one engine: the loop's split is then trivial
             return
-        seeds = [request_seed(cfg.seed, i, 0, j) for j in range(len(prompts[i]))]  # collect_rollout's, attempt 0
+        seeds = [rollout_seed(cfg.seed, i, 0, j) for j in range(len(prompts[i]))]  # the first sampling attempt's
         got = ray.get(router.engines[0].generate_plain.remote(prompts[i], seeds, sampling_spec(cfg)))
-        paired[i] = {
-            "bench/paired_raw_vllm_seconds": got["seconds"],
-            "bench/paired_raw_vllm_tok_s": got["tokens"] / got["seconds"],
-            "bench/paired_raw_vllm_response_len_mean": got["tokens"] / got["samples"],
-        }
-        print(
-            f"[loop] paired raw vLLM before rollout {i}: {got['seconds']:.1f}s "
-            f"{paired[i]['bench/paired_raw_vllm_tok_s']:,.0f} tok/s",
-            flush=True,
-        )
+        paired[i] = {f"bench/paired_raw_vllm_{k}": got[k] for k in ("seconds", "tok_s", "response_len_mean")}
+        print(f"[loop] paired raw vLLM before rollout {i}: {got['seconds']:.1f}s {got['tok_s']:,.0f} tok/s", flush=True)
 
     return paired, before_rollout
 
@@ -162,8 +153,8 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
     (level 2: weights, then the checkpoint reloaded by vLLM itself, then the KV cache), without Ray or a trainer."""
     from vime_core.kv_cache import kv_cache_tokens, model_runner
     from vime_core.platform import apply_offline_env
-    from vime_core.rollout import use_model_runner
-    from vime_core.router import request_seed, sampling_spec
+    from vime_core.rollout import timed_generate, use_model_runner
+    from vime_core.router import rollout_seed, sampling_spec
     from vime_core.stack_sampler import sampled_stacks
 
     if sleep_mode and args.device == "cpu":
@@ -195,7 +186,7 @@ def vllm_phase(args, model_dir: Path, partial: Path, sleep_mode: bool = False) -
         if sleep_mode and step:
             sleep_and_wake(llm, cfg.cluster.engine_sleep_level)
         params = [
-            spec.vllm_params(seed=None if args.vllm_no_seed else request_seed(cfg.seed, step, 0, i))
+            spec.vllm_params(seed=None if args.vllm_no_seed else rollout_seed(cfg.seed, step, 0, i))
             for i in range(len(batch))
         ]
         llm.reset_prefix_cache()  # as the loop does at every step
@@ -247,23 +238,6 @@ def raw_engine_kwargs(cfg, model_dir: Path, sleep_mode: bool) -> dict:
         )
     )
     return kwargs
-
-
-def timed_generate(llm, batch: list[list[int]], params: list) -> dict:
-    """One step's generate call and its record: seconds, tokens, tok/s, mean response length, wall-clock span."""
-    t, start_epoch = time.perf_counter(), time.time()
-    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-    dt = time.perf_counter() - t
-    lens = [len(c.token_ids) for o in outs for c in o.outputs]
-    return {
-        "seconds": dt,
-        "tokens": sum(lens),
-        "tok_s": sum(lens) / dt,
-        "response_len_mean": statistics.fmean(lens),
-        "samples": len(lens),
-        "start_epoch": start_epoch,
-        "end_epoch": time.time(),
-    }
 
 
 def hf_batches(seqs: list[list[int]], starts: list[int], adv: list[float], budget: int, device):

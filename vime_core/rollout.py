@@ -258,7 +258,6 @@ class VLLMEngine:
         of its own: each is an actor round trip, ~5-10 ms a step on the 2-core box."""
         if cold_cache or self.cache_stale:
             self.reset_prefix_cache()
-            self.cache_stale = False
         if self.custom_generate is not None:
             return run_sync(self._generate_custom(requests, spec))
         prompts = [{"prompt_token_ids": r.template.prompt_ids} for r in requests]
@@ -270,19 +269,13 @@ class VLLMEngine:
             groups.append([_fill(req.template, self._generation(c, p)) for c in out.outputs])
         return groups
 
-    def generate_plain(self, prompt_ids: list[list[int]], seeds: list[int], spec: SamplingSpec) -> dict[str, float]:
+    def generate_plain(self, prompt_ids: list[list[int]], seeds: list[int], spec: SamplingSpec) -> dict[str, Any]:
         """vLLM alone: `LLM.generate` of `spec.n` samples per prompt (request i seeded `seeds[i]`), timed in this
-        process after the prefix cache is dropped as a rollout's first call drops it; no samples come back. Given
-        the prompts and seeds of the loop's next rollout, it is that rollout's work without the loop around it, on
-        the same engine, weights and host core (bench/gpu_scale.py's paired raw-vLLM baseline)."""
+        process after the prefix cache is dropped as a rollout's first call drops it; returns `timed_generate`'s
+        record, no samples. Given the prompts and seeds of the loop's next rollout, it is that rollout's work without
+        the loop around it, on the same engine, weights and host core (bench/gpu_scale.py's paired raw-vLLM baseline)."""
         self.reset_prefix_cache()
-        self.cache_stale = False
-        params = [spec.vllm_params(seed=s) for s in seeds]
-        t0 = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        lens = [len(c.token_ids) for o in outs for c in o.outputs]
-        return {"seconds": seconds, "tokens": float(sum(lens)), "samples": float(len(lens))}
+        return timed_generate(self.llm, prompt_ids, [spec.vllm_params(seed=s) for s in seeds])
 
     def stack_samples(self):
         """With `stack_sample_ms`, the engine process's stacks are sampled during the block; the last
@@ -342,6 +335,7 @@ class VLLMEngine:
     def reset_prefix_cache(self) -> None:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache: requests are still running")
+        self.cache_stale = False  # nothing of the old weights is left to serve
 
     def sleep(self, level: int = 1) -> None:
         self.llm.sleep(level=level)
@@ -354,6 +348,24 @@ class VLLMEngine:
             self.llm.llm_engine.engine_core.shutdown()
         except Exception:  # best effort: the process is about to go
             pass
+
+
+def timed_generate(llm, prompt_ids: list[list[int]], params: list) -> dict[str, Any]:
+    """One `LLM.generate` call of vLLM alone and its record: seconds, tokens, tok/s, samples, mean response length
+    and its wall-clock span (the benches' raw-vLLM timings, in the loop's engine or a process of its own)."""
+    t, start_epoch = time.perf_counter(), time.time()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+    dt = time.perf_counter() - t
+    lens = [len(c.token_ids) for o in outs for c in o.outputs]
+    return {
+        "seconds": dt,
+        "tokens": sum(lens),
+        "tok_s": sum(lens) / dt,
+        "response_len_mean": sum(lens) / len(lens),
+        "samples": len(lens),
+        "start_epoch": start_epoch,
+        "end_epoch": time.time(),
+    }
 
 
 def sampled_logprobs(logprobs, ids: list[int]) -> list[float]:

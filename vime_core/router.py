@@ -83,6 +83,11 @@ def request_seed(*parts: Any) -> int:
     return int(hashlib.sha256(repr(parts).encode()).hexdigest()[:8], 16) & 0x7FFFFFFF
 
 
+def rollout_seed(run_seed: int, rollout_id: int, attempt: int, position: int) -> int:
+    """The sampling seed of a rollout's request: the group at `position` of sampling attempt `attempt`."""
+    return request_seed(run_seed, rollout_id, attempt, position)
+
+
 def sampling_spec(cfg) -> SamplingSpec:
     r = cfg.rollout
     return SamplingSpec(r.n_samples_per_prompt, r.temperature, r.top_p, r.top_k, r.max_response_len, tuple(r.stop))
@@ -109,7 +114,7 @@ def collect_rollout(
         prompts = buffer.next_batch(per_attempt)
         base = len(generated)
         requests = [
-            GroupRequest(p.template(group_id=base + i), request_seed(cfg.seed, rollout_id, attempts, i))
+            GroupRequest(p.template(group_id=base + i), rollout_seed(cfg.seed, rollout_id, attempts, i))
             for i, p in enumerate(prompts)
         ]
         # a cold prefix cache at every step: a resumed run then samples exactly as the uninterrupted one would
