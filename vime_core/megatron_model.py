@@ -239,7 +239,7 @@ def fused(fn):
 
     def run(*args):
         try:
-            return compiled(*args)
+            return compiled(*(without_view_base(a) for a in args))
         except torch.OutOfMemoryError:  # the step is too big: eager would need the same memory, and hide the cause
             raise
         except Exception as e:  # inductor needs a C compiler and Triton: fall back once, for good
@@ -248,6 +248,19 @@ def fused(fn):
             return fn(*args)
 
     return run
+
+
+def without_view_base(t):
+    """`t`'s memory, sizes and strides as a tensor that is not a view of another (`_base` None), for inputs that
+    autograd does not follow. dynamo guards a view input on its base's sizes and strides as well as its own: the
+    q/k norms' rows are views into the QKV output and the logits chunks views into the logits, so each new layout
+    of a base compiled another graph; on CPU `_rms_backward` compiled 7 (dynamo's limit is 8), two of them in the
+    second training step. Without the base, 2 graphs a kernel (contiguous rows and strided rows)."""
+    if not isinstance(t, torch.Tensor) or t._base is None or (t.requires_grad and torch.is_grad_enabled()):
+        return t
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
+    )
 
 
 def kernel(fn, x: torch.Tensor):
@@ -263,7 +276,8 @@ class _RMSNormFn(torch.autograd.Function):
     The kernels see 2-D [rows, d] tensors without autograd state: one compiled callable serves the layer norms
     ([t, 1, h]) and the q/k norms ([t, 1, heads, head_dim], strided views of the QKV output), with and without
     requires_grad, Parameter or not; given the tensors as they come, dynamo compiled a graph per variant and hit its
-    recompile limit (8) on an H200 run. Reshaped: 2 graphs each way (contiguous rows and strided rows)."""
+    recompile limit (8) on an H200 run. Reshaped, and passed without their view bases (`fused`): 2 graphs each way
+    (contiguous rows and strided rows)."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):

@@ -32,16 +32,17 @@ def test_lean_rmsnorm_matches_torch_rmsnorm(dtype, tol):
 
 @pytest.fixture
 def eager_compiled_norms(monkeypatch):
-    """LeanRMSNorm's kernels through torch.compile (dynamic, as `fused` compiles them on CUDA; the eager backend needs
-    no compiler), counting the graphs dynamo compiles."""
+    """LeanRMSNorm's kernels through `fused` as on CUDA (torch.compile, dynamic), with the eager backend, which needs
+    no compiler, counting the graphs dynamo compiles."""
+    import functools
+
     from torch._dynamo.utils import counters
 
     from vime_core import megatron_model as mm
 
-    compiled: dict = {}
-    monkeypatch.setattr(
-        mm, "kernel", lambda fn, x: compiled.setdefault(fn, torch.compile(fn, backend="eager", dynamic=True))
-    )
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    monkeypatch.setattr(mm, "kernel", lambda fn, x: mm.fused(fn))
+    monkeypatch.setattr(mm, "_FUSED", {})
     torch._dynamo.reset()
     counters.clear()
     yield counters
@@ -51,7 +52,8 @@ def eager_compiled_norms(monkeypatch):
 def test_lean_rmsnorm_compiles_few_graphs_for_every_norm_of_a_layer(eager_compiled_norms):
     """One compiled kernel serves the layer norms [t, 1, h] and the q/k norms [t, 1, heads, head_dim] (strided views of
     the QKV output), with and without grad, at any token count: given the tensors as they came, dynamo compiled a
-    graph per variant and hit its recompile limit (8) on an H200 run. Values and gradients stay torch's."""
+    graph per variant and per layout of a view's base, and hit its recompile limit (8) on an H200 run. Values and
+    gradients stay torch's."""
     from types import SimpleNamespace
 
     from vime_core.megatron_model import LeanRMSNorm
@@ -65,15 +67,17 @@ def test_lean_rmsnorm_compiles_few_graphs_for_every_norm_of_a_layer(eager_compil
     ref_layer, ref_head = torch.nn.RMSNorm(64, eps=1e-6), torch.nn.RMSNorm(16, eps=1e-6)
     ref_layer.weight.data.copy_(layer.weight)
     ref_head.weight.data.copy_(head.weight)
-    for t in (9, 17, 33):
-        qkv = torch.randn(t, 1, 4, 3 * 16, generator=g).requires_grad_(True)  # 4 query groups of (q, k, v)
-        views = [torch.randn(t, 1, 64, generator=g).requires_grad_(True), qkv[..., :16], qkv[..., 16:32]]
-        for x in views:
+    for t in (9, 17, 33, 65):
+        # megatron's layouts: QKV out [t, 1, groups x (q heads + k + v) x 16] viewed per group, split; q reshaped (a
+        # copy: its heads are not adjacent), k a strided view; the layer norm's input a view of a flat base
+        qkv = torch.randn(t, 1, 2 * 4 * 16, generator=g).requires_grad_(True)  # 2 groups of (2 q heads, k, v)
+        q, k, _ = torch.split(qkv.view(t, 1, 2, 4 * 16), [32, 16, 16], dim=3)
+        hidden = torch.randn(t * 64, generator=g).requires_grad_(True)
+        for x, leaf in ((hidden.view(t, 1, 64), hidden), (q.reshape(t, 1, -1, 16), qkv), (k, qkv)):
             norm, ref = (layer, ref_layer) if x.size(-1) == 64 else (head, ref_head)
             y, y_ref = norm(x), ref(x)
             assert torch.allclose(y, y_ref, atol=1e-6, rtol=1e-6)
             up = torch.randn(y.shape, generator=g)
-            leaf = qkv if x.size(-1) == 16 else x
             gx, gw = torch.autograd.grad((y * up).sum(), (leaf, norm.weight))
             gx_ref, gw_ref = torch.autograd.grad((y_ref * up).sum(), (leaf, ref.weight))
             assert torch.allclose(gx, gx_ref, atol=1e-5, rtol=1e-5) and torch.allclose(gw, gw_ref, atol=1e-4, rtol=1e-5)
