@@ -253,9 +253,10 @@ def fused(fn):
 def without_view_base(t):
     """`t`'s memory, sizes and strides as a tensor that is not a view of another (`_base` None), for inputs that
     autograd does not follow. dynamo guards a view input on its base's sizes and strides as well as its own: the
-    q/k norms' rows are views into the QKV output and the logits chunks views into the logits, so each new layout
-    of a base compiled another graph; on CPU `_rms_backward` compiled 7 (dynamo's limit is 8), two of them in the
-    second training step. Without the base, 2 graphs a kernel (contiguous rows and strided rows)."""
+    q/k norms' rows are views into the QKV output, so each new layout of a base compiled another graph; on CPU (tiny
+    MoE loop) `_rms_backward` compiled 7 (dynamo's limit is 8), two of them in the second training step, and 4
+    without the base: contiguous rows and strided rows, each split once more by a row-count guard of inductor's CPU
+    code generator."""
     if not isinstance(t, torch.Tensor) or t._base is None or (t.requires_grad and torch.is_grad_enabled()):
         return t
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(
