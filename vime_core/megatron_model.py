@@ -277,8 +277,8 @@ class _RMSNormFn(torch.autograd.Function):
     The kernels see 2-D [rows, d] tensors without autograd state: one compiled callable serves the layer norms
     ([t, 1, h]) and the q/k norms ([t, 1, heads, head_dim], strided views of the QKV output), with and without
     requires_grad, Parameter or not; given the tensors as they come, dynamo compiled a graph per variant and hit its
-    recompile limit (8) on an H200 run. Reshaped, and passed without their view bases (`fused`): 2 graphs each way
-    (contiguous rows and strided rows)."""
+    recompile limit (8) on an H200 run. Reshaped, and passed without their view bases (`fused`): one graph each way
+    for contiguous rows and one for strided rows, besides the code generator's own guards."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float):
