@@ -98,6 +98,11 @@ def grpo_pipeline(
 def run_stages(cfg: RunConfig, flow_run_id: str | None, promote: bool = True) -> dict[str, Any]:
     from vime_core.prepare import check_resume
 
+    if not cfg.checkpoint.save_at_end:  # refused before the download: evaluation and registration read that save
+        raise VimeError(
+            "checkpoint.save_at_end = false: the pipeline evaluates, exports and registers the final checkpoint; "
+            "set checkpoint.save_at_end=true (false is for `vime train` runs whose weights nobody keeps)"
+        )
     check_resume(cfg)  # a refused resume fails here: before the MLflow run it would continue is touched
     config = cfg.model_dump(mode="json")
     retry = tracking_retries(cfg.tracking.outage_s)  # every task that talks to MLflow outlasts a server restart

@@ -358,12 +358,12 @@ def train_step(rollout_id: int, parts: LoopParts) -> None:
     sched.pushed(done)
     metrics["perf/step_time"] = time.perf_counter() - t0
     metrics["perf/wait_time_ratio"] = wait_time_ratio(waited, metrics["perf/step_time"])
-    eval_due = bool(p.eval_sets) and _due(done, cfg.eval.interval, cfg.rollout.num_rollout)
+    eval_due = bool(p.eval_sets) and due(done, cfg.eval.interval, cfg.rollout.num_rollout)
     carried = sched.carried() if async_mode else []
     buffer_state = parts.buffer.state_dict()  # nothing samples now: this position goes with the carried rollouts
     if not eval_due:
         sched.submit_ready()  # the next rollouts overlap the checkpoint save as well
-    if _due(done, cfg.checkpoint.save_interval, cfg.rollout.num_rollout):
+    if due(done, cfg.checkpoint.save_interval, cfg.rollout.num_rollout, cfg.checkpoint.save_at_end):
         t2 = time.perf_counter()
         result.last_checkpoint = save_checkpoint(
             parts.ckpt,
@@ -389,9 +389,9 @@ def train_step(rollout_id: int, parts: LoopParts) -> None:
         sched.submit_ready()
 
 
-def _due(done: int, interval: int | None, total: int) -> bool:
-    """After `done` steps: every `interval` steps, and always after the last one."""
-    return done == total or bool(interval and done % interval == 0)
+def due(done: int, interval: int | None, total: int, at_end: bool = True) -> bool:
+    """After `done` steps: every `interval` steps, and after the last one unless `at_end` is false."""
+    return (at_end and done == total) or bool(interval and done % interval == 0)
 
 
 def save_checkpoint(

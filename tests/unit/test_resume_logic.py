@@ -124,3 +124,24 @@ def test_resume_false_beside_old_checkpoints_is_refused(tmp_path):
             e.value
         ) and "checkpoint.start_fresh=true" in str(e.value)
     assert resume_point(tiny_config(tmp_path / "empty", "checkpoint.resume=false")) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("interval", "at_end", "saved_after"),
+    [(None, True, [5]), (2, True, [2, 4, 5]), (None, False, []), (2, False, [2, 4])],
+)
+def test_checkpoints_fall_due_every_interval_and_at_the_end_unless_turned_off(interval, at_end, saved_after):
+    from vime_core.loop import due
+
+    assert [done for done in range(1, 6) if due(done, interval, 5, at_end)] == saved_after
+
+
+def test_the_pipeline_refuses_a_run_without_its_final_checkpoint(tmp_path):
+    from flows.grpo_pipeline import run_stages
+    from vime_core.errors import VimeError, user_error
+
+    cfg = tiny_config(tmp_path, "checkpoint.save_at_end=false")
+    with pytest.raises(VimeError, match=r"checkpoint\.save_at_end = false.*set checkpoint\.save_at_end=true") as e:
+        run_stages(cfg, None)
+    assert user_error(e.value) is e.value
+    assert not any(tmp_path.iterdir())  # refused before the download, the lock or the MLflow run touched anything

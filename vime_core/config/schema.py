@@ -326,6 +326,15 @@ class CheckpointConfig(Section):
     save_optimizer: Annotated[bool, FREE, Field(description="Include optimizer state (needed for exact resume).")] = (
         True
     )
+    save_at_end: Annotated[
+        bool,
+        FREE,
+        Field(
+            description="Save after the last rollout step. false: no checkpoint unless save_interval falls due, for "
+            "benchmarks and smoke runs whose weights nobody keeps (a Qwen3-30B-A3B slice's save takes ~16 s of a "
+            "bench phase). The Prefect pipeline refuses false: it evaluates, exports and registers that checkpoint.",
+        ),
+    ] = True
 
 
 class ClusterConfig(Section):
