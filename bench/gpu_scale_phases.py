@@ -119,7 +119,7 @@ def loop_phase(args, model_dir: Path, partial: Path, phase: str = "loop") -> dic
     finally:
         import shutil
 
-        shutil.rmtree(run_dir, ignore_errors=True)  # a checkpoint too under --set checkpoint.save_at_end=true: GBs
+        shutil.rmtree(run_dir, ignore_errors=True)  # the final checkpoint: GBs of disk
     return rec
 
 

@@ -220,15 +220,15 @@ def _moe_cfg(gs, gc, tmp_path, phase, extra=()):
 
 
 @pytest.mark.parametrize(
-    "phase,grouped,replay,dispatcher",
+    "phase,grouped,replay,dispatcher,saves",
     [
-        ("loop", True, False, "allgather"),
-        ("loop_sequential", False, False, "allgather"),
-        ("loop_r3", True, True, "allgather"),
-        ("loop_alltoall", True, False, "alltoall"),
+        ("loop", True, False, "allgather", True),
+        ("loop_sequential", False, False, "allgather", False),
+        ("loop_r3", True, True, "allgather", False),
+        ("loop_alltoall", True, False, "alltoall", False),
     ],
 )
-def test_each_moe_loop_phase_means_one_thing(gs, gc, tmp_path, phase, grouped, replay, dispatcher):
+def test_each_moe_loop_phase_means_one_thing(gs, gc, tmp_path, phase, grouped, replay, dispatcher, saves):
     # --set cannot turn a phase into another: the phase's own settings come last
     other = "allgather" if dispatcher == "alltoall" else "alltoall"
     sets = [
@@ -242,6 +242,7 @@ def test_each_moe_loop_phase_means_one_thing(gs, gc, tmp_path, phase, grouped, r
     assert cfg.train.moe_token_dispatcher == dispatcher
     assert cfg.train.num_devices == 1 and cfg.cluster.colocate and cfg.rollout.gpu_memory_utilization == 0.5
     assert cfg.cluster.engine_sleep_level == 2 and not cfg.train.optimizer_cpu_offload
+    assert cfg.checkpoint.save_at_end is saves  # the loop's final save is measured; the variants' is not wanted
 
 
 def test_the_shipped_moe_config_runs_on_one_gpu_under_the_bench(gs, gc, tmp_path):
