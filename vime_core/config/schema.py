@@ -331,8 +331,8 @@ class CheckpointConfig(Section):
         FREE,
         Field(
             description="Save after the last rollout step. false: no checkpoint unless save_interval falls due, for "
-            "benchmarks and smoke runs whose weights nobody keeps (a Qwen3-30B-A3B slice's save takes ~16 s of a "
-            "bench phase). The Prefect pipeline refuses false: it evaluates, exports and registers that checkpoint.",
+            "benchmarks and smoke runs whose weights nobody keeps (a save writes every weight, seconds to minutes). "
+            "The Prefect pipeline refuses false: it evaluates, exports and registers that checkpoint.",
         ),
     ] = True
 
