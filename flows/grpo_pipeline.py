@@ -36,7 +36,7 @@ from tasks.nightly import choose_candidate, continuation_config, run_label
 from tasks.register import export_hf, register_model
 from tasks.tracking import finish_tracking, start_tracking, tracking_target
 from tasks.train import start_fresh, train_grpo
-from vime_core.config import RunConfig, load_config
+from vime_core.config import ConfigError, RunConfig, load_config
 from vime_core.errors import VimeError, one_line, user_error
 from vime_core.redact import redact
 from vime_core.runlock import output_dir_lock
@@ -64,7 +64,7 @@ def grpo_pipeline(
     quiet_prefect()
     logger = get_run_logger()
     try:
-        cfg = load_config(config_path, overrides or [])  # a bad config fails here, before any work
+        cfg = load_pipeline_config(config_path, overrides or [])  # a bad config fails here, before any work
     except VimeError as e:
         return refused(Path(config_path).stem, e)
     flow_run_id = flow_run.get_id()
@@ -95,14 +95,21 @@ def grpo_pipeline(
     return summary
 
 
-def run_stages(cfg: RunConfig, flow_run_id: str | None, promote: bool = True) -> dict[str, Any]:
-    from vime_core.prepare import check_resume
-
-    if not cfg.checkpoint.save_at_end:  # refused before the download: evaluation and registration read that save
-        raise VimeError(
+def load_pipeline_config(config_path: str, overrides: list[str]) -> RunConfig:
+    """`load_config`, and what only the pipeline refuses: vime-pipeline checks it before Prefect starts, a
+    deployment's flow body before the nightly lookup or the output_dir lock."""
+    cfg = load_config(config_path, overrides)
+    if not cfg.checkpoint.save_at_end:  # evaluation, export and registration read that save
+        raise ConfigError(
             "checkpoint.save_at_end = false: the pipeline evaluates, exports and registers the final checkpoint; "
             "set checkpoint.save_at_end=true (false is for `vime train` runs whose weights nobody keeps)"
         )
+    return cfg
+
+
+def run_stages(cfg: RunConfig, flow_run_id: str | None, promote: bool = True) -> dict[str, Any]:
+    from vime_core.prepare import check_resume
+
     check_resume(cfg)  # a refused resume fails here: before the MLflow run it would continue is touched
     config = cfg.model_dump(mode="json")
     retry = tracking_retries(cfg.tracking.outage_s)  # every task that talks to MLflow outlasts a server restart
@@ -307,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # non-zero: a user error printed its line, or a stopped flow logged what was saved
     return run_flow_locally(
-        lambda: load_config(args.config, args.overrides),
+        lambda: load_pipeline_config(args.config, args.overrides),
         lambda cfg: print_summary(cfg, grpo_pipeline(args.config, args.overrides)),
         debug=args.debug,
     )

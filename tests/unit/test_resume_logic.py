@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.helpers.tiny import tiny_config
+from tests.helpers.tiny import REPO, tiny_config
 from vime_core.checkpoint import Checkpointer, ResumeError, iter_name
 
 
@@ -137,11 +137,11 @@ def test_checkpoints_fall_due_every_interval_and_at_the_end_unless_turned_off(in
 
 
 def test_the_pipeline_refuses_a_run_without_its_final_checkpoint(tmp_path):
-    from flows.grpo_pipeline import run_stages
+    from flows.grpo_pipeline import load_pipeline_config
     from vime_core.errors import VimeError, user_error
 
-    cfg = tiny_config(tmp_path, "checkpoint.save_at_end=false")
+    overrides = [f"output_dir={tmp_path}", "checkpoint.save_at_end=false"]
     with pytest.raises(VimeError, match=r"checkpoint\.save_at_end = false.*set checkpoint\.save_at_end=true") as e:
-        run_stages(cfg, None)
+        load_pipeline_config(str(REPO / "configs" / "tiny-cpu.yaml"), overrides)  # vime-pipeline's and the flow's
     assert user_error(e.value) is e.value
-    assert not any(tmp_path.iterdir())  # refused before the download, the lock or the MLflow run touched anything
+    assert not any(tmp_path.iterdir())  # refused with the config: before the lock, the download or the MLflow run
